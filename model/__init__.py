@@ -1,0 +1,1 @@
+"""linstream model core: recurrent LMs, their session state, tokenizer, sampling and generation."""

@@ -1,0 +1,140 @@
+"""The decoder-only LM: embedding, pre-norm blocks of (mixer + MLP), final norm, tied head.
+
+The model computes logits and advances state; it never samples (see sampling.py / generate.py).
+  forward(tokens (B, T), state) -> logits (B, T, V), state     chunked form: prefill and training
+  step(tokens (B,), state) -> logits (B, V), state             one token per row: decode
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .mixers import build_mixer
+from .state import State
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, ratio: float):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, int(ratio * d), bias=False), nn.Linear(int(ratio * d), d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, mixer: str):
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps), RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = build_mixer(mixer, cfg)
+        self.mlp = MLP(cfg.d_model, cfg.mlp_ratio)
+
+    def forward(self, x, state, pos, form: str):
+        y, state = getattr(self.mixer, form)(self.norm1(x), state, pos)
+        x = x + y
+        return x + self.mlp(self.norm2(x)), state
+
+
+class LM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, m) for m in cfg.layer_mixers)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self._fingerprint: str | None = None
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def init_state(self, batch: int = 1) -> State:
+        dev, dt = self.embed.weight.device, self.embed.weight.dtype
+        return State([b.mixer.init_state(batch, dev, dt) for b in self.blocks],
+                     torch.zeros(batch, dtype=torch.long, device=dev),
+                     [dict(b.mixer.time_dims) for b in self.blocks],
+                     torch.zeros(batch, self.cfg.vocab_size, device=dev, dtype=dt))
+
+    def forward(self, tokens: Tensor, state: State | None = None, form: str = "forward"):
+        """tokens (B, T). form 'forward' is the chunked/parallel path; 'naive' the token loop.
+        With state=None the pass starts from zero and returns no state (training)."""
+        x = self.embed(tokens)  # (B, T, D)
+        pos = None if state is None else state.position
+        new = []
+        for i, block in enumerate(self.blocks):
+            x, s = block(x, None if state is None else state.layers[i], pos, form)
+            new.append(s)
+        logits = self.head(self.norm(x))  # (B, T, V)
+        if state is None:
+            return logits, None
+        if tokens.shape[1] == 0:
+            return logits, state
+        return logits, State(new, state.position + tokens.shape[1], state.time_dims, logits[:, -1])
+
+    def step(self, tokens: Tensor, state: State):
+        """One token per row: tokens (B,), rows may sit at different positions."""
+        x = self.embed(tokens)  # (B, D)
+        new = []
+        for i, block in enumerate(self.blocks):
+            x, s = block(x, state.layers[i], state.position, "step")
+            new.append(s)
+        logits = self.head(self.norm(x))
+        return logits, State(new, state.position + 1, state.time_dims, logits)
+
+    # ---- identity and checkpoints --------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the config and every weight: a snapshot only loads into the model it came from."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(self.cfg.to_json().encode())
+            for name, t in sorted(self.state_dict().items()):
+                h.update(name.encode())
+                h.update(t.detach().cpu().contiguous().numpy().tobytes())
+            self._fingerprint = h.hexdigest()[:32]
+        return self._fingerprint
+
+    def save(self, path: str | Path, extra: dict | None = None) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(json.loads(self.cfg.to_json()), indent=2) + "\n")
+        sd = {k: v.contiguous() for k, v in self.state_dict().items()}
+        if self.cfg.tie_embeddings:
+            sd.pop("head.weight")
+        save_file(sd, str(path / "model.safetensors"))
+        if extra is not None:
+            (path / "training.json").write_text(json.dumps(extra, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LM":
+        path = Path(path)
+        cfg = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+        model = cls(cfg)
+        sd = load_file(str(path / "model.safetensors"))
+        if cfg.tie_embeddings:
+            sd["head.weight"] = sd["embed.weight"]
+        model.load_state_dict(sd)
+        return model.eval()

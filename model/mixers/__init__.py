@@ -1,0 +1,33 @@
+"""Mixer registry: a mixer is one file here that registers itself by name.
+
+Every mixer is an `nn.Module` with
+  init_state(batch, device, dtype) -> dict[str, Tensor]   its recurrent state, batched on dim 0
+  forward(x, state, pos) -> (y, state)    chunked/parallel form over x (B, T, D); prefill and training
+  step(x, state, pos) -> (y, state)       one token, x (B, D); decode
+  naive(x, state, pos) -> (y, state)      the token-loop reference the tests hold the others to
+`state=None` in `forward` means "from zero and do not return a state" (training).
+`pos` (B,) int64 is each row's position before these tokens; only position-aware mixers read it.
+`time_dims` names state tensors that grow with the sequence (the KV cache) and the dim they grow on.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+REGISTRY: dict[str, type[nn.Module]] = {}
+
+
+def register(name: str):
+    def wrap(cls):
+        cls.name = name
+        REGISTRY[name] = cls
+        return cls
+    return wrap
+
+
+def build_mixer(name: str, cfg) -> nn.Module:
+    if name not in REGISTRY:
+        raise ValueError(f"unknown mixer {name!r}; known: {sorted(REGISTRY)}")
+    return REGISTRY[name](cfg)
+
+
+from . import linear, mamba, softmax  # noqa: E402,F401  (registration side effect)

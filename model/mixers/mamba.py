@@ -1,0 +1,115 @@
+"""Mamba: a selective state-space mixer (Gu & Dao 2023, "Mamba", Algorithm 2 and eq. 2a-2b, 4).
+
+Dimension glossary: b batch, l time, d d_model, e d_inner = expand * d, n d_state, r dt_rank.
+    (x, z) = in_proj(u)                        x, z (b, l, e)
+    x = silu(causal depthwise conv1d(x))
+    (dt, B, C) = x_proj(x)                     dt (b, l, r), B, C (b, l, n)
+    delta = softplus(dt_proj(dt))              (b, l, e)
+    A = -exp(A_log)                            (e, n)
+    h_t = exp(delta_t A) h_{t-1} + delta_t B_t x_t      ZOH for A, Euler for B (eq. 4)
+    y_t = C_t h_t + D x_t
+    out = out_proj(y * silu(z))
+Parameter names follow transformers' MambaMixer (in_proj, conv1d, x_proj, dt_proj, A_log, D,
+out_proj) so real checkpoints map onto it without renaming.
+State: h (b, e, n) and the conv tail (b, W-1, e).
+
+The scan's decay differs per (channel, state) pair, so a chunked closed form needs exp of
+cumulative sums that overflow float32 for long chunks; the prefill form therefore computes every
+projection for the whole sequence at once and runs only the elementwise recurrence as a loop
+(the same split as transformers' `slow_forward`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import register
+from .common import causal_conv, causal_conv_step
+
+
+def selective_scan_naive(x, delta, A, B, C, D, h0):
+    """Reference recurrence, float32. x, delta (b, l, e); A (e, n); B, C (b, l, n); h0 (b, e, n)."""
+    h, ys = h0.float().clone(), []
+    for t in range(x.shape[1]):
+        dA = torch.exp(delta[:, t, :, None] * A)  # (b, e, n)
+        h = dA * h + delta[:, t, :, None] * B[:, t, None, :] * x[:, t, :, None]
+        ys.append(torch.einsum("ben,bn->be", h, C[:, t]) + D * x[:, t])
+    return torch.stack(ys, 1), h
+
+
+def selective_scan(x, delta, A, B, C, D, h0=None, output_final_state=False):
+    """Same recurrence with all per-token terms computed at once (b, l, e, n); only the
+    multiply-add runs per step, so the loop body is two elementwise ops."""
+    dA = torch.exp(delta[..., None] * A)  # (b, l, e, n)
+    dBx = (delta * x)[..., None] * B[:, :, None, :]  # (b, l, e, n)
+    h = h0 if h0 is not None else x.new_zeros(x.shape[0], x.shape[2], A.shape[1])
+    hs = []
+    for dA_t, dBx_t in zip(dA.unbind(1), dBx.unbind(1)):  # unbind: one backward op, not T slices
+        h = dA_t * h + dBx_t
+        hs.append(h)
+    y = torch.einsum("blen,bln->ble", torch.stack(hs, 1), C) + D * x
+    return y, (h if output_final_state else None)
+
+
+@register("mamba")
+class Mamba(nn.Module):
+    time_dims: dict[str, int] = {}
+
+    def __init__(self, cfg):
+        super().__init__()
+        d, e, n, r = cfg.d_model, cfg.expand * cfg.d_model, cfg.d_state, cfg.dt_rank
+        self.e, self.n, self.r = e, n, r
+        self.in_proj = nn.Linear(d, 2 * e, bias=False)
+        self.conv1d = nn.Conv1d(e, e, cfg.conv_kernel, groups=e, bias=True)
+        self.x_proj = nn.Linear(e, r + 2 * n, bias=False)
+        self.dt_proj = nn.Linear(r, e, bias=True)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(e, 1))
+        self.D = nn.Parameter(torch.ones(e))
+        self.out_proj = nn.Linear(e, d, bias=False)
+        # Delta initialised log-uniform in [1e-3, 1e-1] through the inverse softplus (paper, sec. 3.6)
+        with torch.no_grad():
+            nn.init.uniform_(self.dt_proj.weight, -r ** -0.5, r ** -0.5)
+            dt = torch.exp(torch.rand(e) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def init_state(self, batch, device=None, dtype=torch.float32):
+        W = self.conv1d.kernel_size[0]
+        return {"h": torch.zeros(batch, self.e, self.n, device=device, dtype=dtype),
+                "conv": torch.zeros(batch, W - 1, self.e, device=device, dtype=dtype)}
+
+    def _ssm_inputs(self, x):  # x (b, l, e) after conv+silu -> delta, B, C
+        dt, B, C = self.x_proj(x).split([self.r, self.n, self.n], dim=-1)
+        return F.softplus(self.dt_proj(dt)), B, C
+
+    def forward(self, u, state=None, pos=None):
+        x, z = self.in_proj(u).chunk(2, dim=-1)
+        x, tail = causal_conv(x, None if state is None else state["conv"], self.conv1d.weight, self.conv1d.bias)
+        x = F.silu(x)
+        delta, B, C = self._ssm_inputs(x)
+        y, h = selective_scan(x, delta, -torch.exp(self.A_log), B, C, self.D,
+                              None if state is None else state["h"], state is not None)
+        out = self.out_proj(y * F.silu(z))
+        return out, (None if state is None else {"h": h, "conv": tail})
+
+    def step(self, u, state, pos=None):
+        x, z = self.in_proj(u).chunk(2, dim=-1)  # (b, e)
+        x, tail = causal_conv_step(x, state["conv"], self.conv1d.weight, self.conv1d.bias)
+        x = F.silu(x)
+        delta, B, C = self._ssm_inputs(x)
+        h = torch.exp(delta[..., None] * -torch.exp(self.A_log)) * state["h"] + (delta * x)[..., None] * B[:, None, :]
+        y = torch.einsum("ben,bn->be", h, C) + self.D * x
+        return self.out_proj(y * F.silu(z)), {"h": h, "conv": tail}
+
+    def naive(self, u, state, pos=None):
+        x, z = self.in_proj(u).chunk(2, dim=-1)
+        tail, xs = state["conv"], []
+        for t in range(u.shape[1]):
+            c, tail = causal_conv_step(x[:, t], tail, self.conv1d.weight, self.conv1d.bias)
+            xs.append(c)
+        x = F.silu(torch.stack(xs, 1))
+        delta, B, C = self._ssm_inputs(x)
+        y, h = selective_scan_naive(x, delta, -torch.exp(self.A_log), B, C, self.D, state["h"])
+        return self.out_proj(y * F.silu(z)), {"h": h, "conv": tail}

@@ -1,0 +1,115 @@
+"""Causal softmax attention with rotary positions and a KV cache: the baseline.
+
+Vaswani et al. 2017 (scaled dot-product attention, eq. 1) with rotary position embeddings
+(Su et al. 2021, RoFormer, eq. 34). Same width, heads, short convolution and MLP as `linear`,
+so the only difference is the mixer: its state is the KV cache, which grows by one (K, V) row
+per token and per layer, and each decode step reads all of it.
+
+Shapes: B batch, T time, H heads, K head dim, C cache capacity (>= positions held).
+State: k, v (B, H, C, K) holding rotated keys and values at positions [0, pos); conv (B, W-1, 3D).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import register
+from .common import causal_conv, causal_conv_step
+
+
+def rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
+    """Rotate pairs (x[..., :K/2], x[..., K/2:]) by angle position * base^(-2i/K).
+    x (..., T, K); positions broadcastable to (..., T)."""
+    K = x.shape[-1]
+    inv = base ** (-torch.arange(0, K // 2, device=x.device, dtype=torch.float32) * 2 / K)  # (K/2,)
+    ang = positions.to(torch.float32)[..., None] * inv  # (..., T, K/2)
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., : K // 2], x[..., K // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def grow_cache(t: Tensor, need: int) -> Tensor:
+    """Return a cache with capacity >= need along dim 2 (doubling, so appends are amortised O(1))."""
+    cap = t.shape[2]
+    if cap >= need:
+        return t
+    new = t.new_zeros(t.shape[0], t.shape[1], max(need, 2 * cap, 16), t.shape[3])
+    new[:, :, :cap] = t
+    return new
+
+
+@register("softmax")
+class SoftmaxAttention(nn.Module):
+    time_dims: dict[str, int] = {"k": 2, "v": 2}
+
+    def __init__(self, cfg):
+        super().__init__()
+        D, self.H = cfg.d_model, cfg.n_head
+        self.base = cfg.rope_base
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.conv = nn.Conv1d(3 * D, 3 * D, cfg.conv_kernel, groups=3 * D)
+        self.out = nn.Linear(D, D, bias=False)
+
+    def init_state(self, batch, device=None, dtype=torch.float32):
+        D, H, W = self.out.in_features, self.H, self.conv.kernel_size[0]
+        return {"k": torch.zeros(batch, H, 0, D // H, device=device, dtype=dtype),
+                "v": torch.zeros(batch, H, 0, D // H, device=device, dtype=dtype),
+                "conv": torch.zeros(batch, W - 1, 3 * D, device=device, dtype=dtype)}
+
+    def _split(self, qkv):  # (B, T, 3D) -> 3 x (B, H, T, K)
+        B, T, _ = qkv.shape
+        return qkv.view(B, T, 3, self.H, -1).permute(2, 0, 3, 1, 4)
+
+    def _out(self, o):  # (B, H, T, K) -> (B, T, D)
+        B, H, T, K = o.shape
+        return self.out(o.transpose(1, 2).reshape(B, T, H * K))
+
+    def forward(self, x, state=None, pos=None):
+        B, T, _ = x.shape
+        qkv, tail = causal_conv(self.qkv(x), None if state is None else state["conv"],
+                                self.conv.weight, self.conv.bias)
+        q, k, v = self._split(qkv)
+        p0 = 0 if pos is None else int(pos[0])
+        assert pos is None or bool((pos == p0).all()), "chunked prefill needs one position per batch"
+        positions = torch.arange(p0, p0 + T, device=x.device)
+        q, k = rope(q, positions, self.base), rope(k, positions, self.base)
+        if state is None:
+            return self._out(F.scaled_dot_product_attention(q, k, v, is_causal=True)), None
+        k_all = torch.cat([state["k"][:, :, :p0], k], dim=2)  # (B, H, p0+T, K)
+        v_all = torch.cat([state["v"][:, :, :p0], v], dim=2)
+        # query t (absolute p0+t) sees keys j <= p0+t
+        mask = torch.arange(p0 + T, device=x.device)[None, :] <= positions[:, None]  # (T, p0+T)
+        o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+        return self._out(o), {"k": k_all, "v": v_all, "conv": tail}
+
+    def step(self, x, state, pos):
+        B = x.shape[0]
+        qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias)
+        q, k, v = self._split(qkv[:, None])  # (B, H, 1, K)
+        q, k = rope(q, pos[:, None, None], self.base), rope(k, pos[:, None, None], self.base)
+        need = int(pos.max()) + 1
+        kc, vc = grow_cache(state["k"], need), grow_cache(state["v"], need)
+        rows = torch.arange(B, device=x.device)
+        kc[rows, :, pos] = k[:, :, 0]  # write in place: the cache is the state
+        vc[rows, :, pos] = v[:, :, 0]
+        # attend over [0, need) only: spare capacity never enters the reduction, so a row's result
+        # does not depend on how much room its cache happens to have
+        mask = torch.arange(need, device=x.device)[None, :] <= pos[:, None]  # (B, need)
+        o = F.scaled_dot_product_attention(q, kc[:, :, :need], vc[:, :, :need], attn_mask=mask[:, None, None, :])
+        return self._out(o)[:, 0], {"k": kc, "v": vc, "conv": tail}
+
+    def naive(self, x, state, pos):
+        """Token loop with explicit softmax over the growing cache, float32."""
+        B, T, _ = x.shape
+        tail, keys, vals = state["conv"], state["k"][:, :, : int(pos[0])], state["v"][:, :, : int(pos[0])]
+        proj, ys = self.qkv(x), []
+        for t in range(T):
+            c, tail = causal_conv_step(proj[:, t], tail, self.conv.weight, self.conv.bias)
+            q, k, v = self._split(c[:, None])
+            p = pos[:, None, None] + t
+            q, k = rope(q, p, self.base), rope(k, p, self.base)
+            keys, vals = torch.cat([keys, k], 2), torch.cat([vals, v], 2)
+            w = torch.softmax((q @ keys.transpose(-1, -2)) / q.shape[-1] ** 0.5, dim=-1)
+            ys.append(self._out(w @ vals))
+        return torch.cat(ys, 1), {"k": keys, "v": vals, "conv": tail}

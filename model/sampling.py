@@ -1,0 +1,89 @@
+"""Turning logits into tokens: temperature, top-k, top-p, per-request seeded generators.
+
+Rows of one batch may carry different parameters (continuous batching mixes requests), so the
+filters are vectorised over rows; only the one uniform draw per row comes from that row's own
+`torch.Generator`, which is what makes a seeded request reproducible whatever it is batched with.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    def generator(self) -> torch.Generator:
+        g = torch.Generator()
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """logits (B, V); temperature, top_p (B,) float; top_k (B,) int (0 = all). -> probs (B, V)."""
+    V = logits.shape[-1]
+    logits = logits.float() / temperature.clamp(min=1e-5)[:, None]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+    rank = torch.arange(V, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, V)[:, None]
+    drop = rank >= k
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # top-p: keep the smallest prefix whose mass reaches p (the token crossing p is kept)
+    drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+
+def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> Tensor:
+    """One token per row. Greedy rows take the argmax; others invert the CDF at a uniform drawn
+    from the row's generator. -> (B,) int64"""
+    B = logits.shape[0]
+    greedy = logits.argmax(-1)
+    if all(p.temperature == 0 for p in params):
+        return greedy
+    temp = torch.tensor([p.temperature or 1.0 for p in params])
+    probs = logits_to_probs(logits, temp, torch.tensor([p.top_k for p in params]),
+                            torch.tensor([p.top_p for p in params], dtype=torch.float32))
+    u = torch.cat([torch.rand(1, generator=g) for g in generators])  # (B,)
+    cdf = probs.cumsum(-1)
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+    is_greedy = torch.tensor([p.temperature == 0 for p in params])
+    return torch.where(is_greedy, greedy, drawn)
+
+
+class StopMatcher:
+    """Holds back generated text that might be the start of a stop sequence, so a stop string
+    is never streamed. feed(text) -> (text safe to emit, stopped)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        keep = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

@@ -1,0 +1,184 @@
+"""Session state: everything a generation carries between tokens, as one typed object.
+
+Per layer, a dict of tensors batched on dim 0 (one row per session):
+  linear   S (B, H, K, V), z (B, H, K), conv (B, W-1, 3D)   constant size
+  mamba    h (B, E, N), conv (B, W-1, E)                     constant size
+  softmax  k, v (B, H, C, K) KV cache, conv (B, W-1, 3D)     grows with position
+plus position (B,) int64 and next_logits (B, V): the model's prediction after the last consumed
+token, which the next generated token is sampled from. Snapshot = `to_bytes` (safetensors, never pickle); restore = `from_bytes`.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import Tensor
+
+FORMAT = "linstream-state"
+VERSION = 1
+MAX_HEADER = 1 << 20  # a state header is a few KiB; refuse absurd ones before parsing
+
+
+class SnapshotError(ValueError):
+    """A state blob that cannot be loaded into this model. `kind` names the reason."""
+    kind = "invalid_snapshot"
+
+
+class SnapshotCorrupt(SnapshotError):
+    kind = "corrupt_snapshot"
+
+
+class SnapshotVersionMismatch(SnapshotError):
+    kind = "snapshot_version_mismatch"
+
+
+class SnapshotModelMismatch(SnapshotError):
+    kind = "snapshot_model_mismatch"
+
+
+class SnapshotShapeMismatch(SnapshotError):
+    kind = "snapshot_shape_mismatch"
+
+
+class SnapshotNonFinite(SnapshotError):
+    kind = "snapshot_non_finite"
+
+
+@dataclass
+class State:
+    layers: list[dict[str, Tensor]]  # per layer, name -> tensor batched on dim 0
+    position: Tensor  # (B,) int64, tokens consumed so far per row
+    time_dims: list[dict[str, int]]  # per layer, growing tensors -> their time dim (KV caches)
+    next_logits: Tensor  # (B, V) float, logits for the token after position - 1
+
+    @property
+    def batch(self) -> int:
+        return self.position.shape[0]
+
+    def _trimmed(self, i: int, name: str, t: Tensor, upto: int) -> Tensor:
+        d = self.time_dims[i].get(name)
+        return t if d is None else t.narrow(d, 0, upto)
+
+    def row_nbytes(self, row: int = 0) -> int:
+        """Bytes one session's state occupies (KV caches counted up to its position)."""
+        p = int(self.position[row])
+        return self.next_logits[row].nbytes + sum(self._trimmed(i, n, t[row:row + 1], p).nbytes
+                                                  for i, layer in enumerate(self.layers) for n, t in layer.items())
+
+    def select(self, rows: list[int]) -> "State":
+        """Rows of a batched state. A contiguous run of rows is a view (no copy), so stepping it
+        in place writes through to the pool; other row sets are gathered copies."""
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+            s = slice(rows[0], rows[0] + len(rows))
+            pick = lambda t: t[s]  # noqa: E731
+        else:
+            idx = torch.tensor(rows, dtype=torch.long, device=self.position.device)
+            pick = lambda t: t.index_select(0, idx)  # noqa: E731
+        return State([{n: pick(t) for n, t in layer.items()} for layer in self.layers],
+                     pick(self.position), self.time_dims, pick(self.next_logits))
+
+    def assign(self, rows: list[int], other: "State") -> None:
+        """Write `other` (len(rows) rows) into these rows, growing KV capacity when needed."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.position.device)
+        for i, (mine, theirs) in enumerate(zip(self.layers, other.layers)):
+            for n, src in theirs.items():
+                dst = mine[n]
+                if src.data_ptr() == dst[rows[0]].data_ptr() and src.shape[1:] == dst.shape[1:]:
+                    continue  # a view of these very rows, already written in place
+                d = self.time_dims[i].get(n)
+                if d is not None and src.shape[d] > dst.shape[d]:
+                    grown = dst.new_zeros(*dst.shape[:d], max(src.shape[d], 2 * dst.shape[d]), *dst.shape[d + 1:])
+                    grown.narrow(d, 0, dst.shape[d]).copy_(dst)
+                    mine[n] = dst = grown
+                if d is None or src.shape[d] == dst.shape[d]:
+                    dst.index_copy_(0, idx, src)
+                else:
+                    dst.narrow(d, 0, src.shape[d])[idx] = src
+        self.position.index_copy_(0, idx, other.position)
+        if other.next_logits.data_ptr() != self.next_logits[rows[0]].data_ptr():
+            self.next_logits.index_copy_(0, idx, other.next_logits)
+
+    def clone(self) -> "State":
+        return State([{n: t.clone() for n, t in layer.items()} for layer in self.layers],
+                     self.position.clone(), self.time_dims, self.next_logits.clone())
+
+    def compact(self) -> "State":
+        """A copy whose KV caches hold exactly `position` rows (batch of one)."""
+        assert self.batch == 1
+        p = int(self.position[0])
+        return State([{n: self._trimmed(i, n, t, p).clone() for n, t in layer.items()}
+                      for i, layer in enumerate(self.layers)], self.position.clone(), self.time_dims,
+                     self.next_logits.clone())
+
+    # ---- serialisation -------------------------------------------------------------------
+    def to_bytes(self, fingerprint: str) -> bytes:
+        """One session's state as a safetensors blob with a self-describing header."""
+        s = self.compact()
+        tensors = {f"layers.{i}.{n}": t.contiguous() for i, layer in enumerate(s.layers) for n, t in layer.items()}
+        tensors["next_logits"] = s.next_logits.contiguous()
+        meta = {"format": FORMAT, "version": str(VERSION), "fingerprint": fingerprint,
+                "position": str(int(s.position[0])), "dtype": str(next(iter(tensors.values())).dtype),
+                "shapes": json.dumps({k: list(t.shape) for k, t in tensors.items()}, sort_keys=True)}
+        return st_save(tensors, metadata=meta)
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, template: "State", fingerprint: str) -> "State":
+        """Load a blob made by `to_bytes` for the model whose empty one-row state is `template`.
+        Raises a SnapshotError subclass naming what is wrong; never executes anything."""
+        meta = _read_header(blob)
+        if meta.get("format") != FORMAT:
+            raise SnapshotCorrupt("not a linstream state blob (format field missing or wrong)")
+        if meta.get("version") != str(VERSION):
+            raise SnapshotVersionMismatch(f"state format version {meta.get('version')!r}; this server reads {VERSION}")
+        if meta.get("fingerprint") != fingerprint:
+            raise SnapshotModelMismatch(
+                f"snapshot was taken on model {meta.get('fingerprint')!r}, this model is {fingerprint!r}")
+        try:
+            pos = int(meta["position"])
+            tensors = st_load(blob)
+        except Exception as e:  # safetensors raises its own error types for bad offsets and sizes
+            raise SnapshotCorrupt(f"unreadable state blob: {e}") from None
+        if pos < 0:
+            raise SnapshotCorrupt("negative position")
+
+        def take(key: str, like: Tensor, time_dim: int | None = None) -> Tensor:
+            want = [1, *like.shape[1:]]
+            if time_dim is not None:
+                want[time_dim] = pos
+            got = tensors.pop(key, None)
+            if got is None:
+                raise SnapshotShapeMismatch(f"missing tensor {key}")
+            if got.dtype != like.dtype:
+                raise SnapshotShapeMismatch(f"{key}: dtype {got.dtype}, expected {like.dtype}")
+            if list(got.shape) != want:
+                raise SnapshotShapeMismatch(f"{key}: shape {list(got.shape)}, expected {want}")
+            if not torch.isfinite(got).all():
+                raise SnapshotNonFinite(f"{key} holds NaN or Inf values")
+            return got
+
+        layers = [{n: take(f"layers.{i}.{n}", t, template.time_dims[i].get(n)) for n, t in layer.items()}
+                  for i, layer in enumerate(template.layers)]
+        logits = take("next_logits", template.next_logits)
+        if tensors:
+            raise SnapshotShapeMismatch(f"unexpected tensors: {sorted(tensors)[:5]}")
+        return cls(layers, torch.tensor([pos], dtype=torch.long), template.time_dims, logits)
+
+
+def _read_header(blob: bytes) -> dict[str, str]:
+    """The safetensors header's __metadata__, checked for size before it is parsed."""
+    if len(blob) < 8:
+        raise SnapshotCorrupt(f"truncated state blob ({len(blob)} bytes)")
+    (n,) = struct.unpack("<Q", blob[:8])
+    if n > MAX_HEADER or 8 + n > len(blob):
+        raise SnapshotCorrupt(f"truncated or oversize header ({n} bytes declared, blob is {len(blob)})")
+    try:
+        header = json.loads(blob[8:8 + n])
+        meta = header.get("__metadata__") or {}
+        assert isinstance(meta, dict)
+    except Exception:
+        raise SnapshotCorrupt("state header is not valid JSON") from None
+    return meta

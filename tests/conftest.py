@@ -1,0 +1,22 @@
+import pytest
+import torch
+
+from model.config import PRESETS
+from model.lm import LM
+
+TINY = ["tiny-linear", "tiny-softmax", "tiny-mamba"]
+
+
+@pytest.fixture(params=TINY)
+def tiny(request) -> LM:
+    torch.manual_seed(0)
+    return LM(PRESETS[request.param]).eval()
+
+
+def random_state(model: LM, batch: int, tokens: int = 13):
+    """A non-zero state: the model run over random tokens (KV caches and all)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.cfg.vocab_size, (batch, tokens), generator=g)
+    with torch.no_grad():
+        _, s = model(ids, model.init_state(batch))
+    return s

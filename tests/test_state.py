@@ -1,0 +1,133 @@
+"""Snapshot -> bytes -> restore -> continue is bit-identical; every kind of bad blob is refused."""
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save as st_save
+
+from model.config import PRESETS
+from model.generate import decode, prefill
+from model.lm import LM
+from model.state import (State, SnapshotCorrupt, SnapshotModelMismatch, SnapshotNonFinite, SnapshotShapeMismatch,
+                         SnapshotVersionMismatch)
+
+
+def greedy(model, state, n):
+    out = []
+    for _ in range(n):
+        t = state.next_logits.argmax(-1)
+        _, state = decode(model, t, state)
+        out.append(int(t))
+    return out, state
+
+
+def test_snapshot_restore_continues_bit_identically(tiny):
+    prompt = list(range(1, 30))
+    s = prefill(tiny, prompt, tiny.init_state(1))
+    _, s = greedy(tiny, s, 5)
+    blob = s.to_bytes(tiny.fingerprint)
+    restored = State.from_bytes(blob, tiny.init_state(1), tiny.fingerprint)
+    a, sa = greedy(tiny, s, 20)
+    b, sb = greedy(tiny, restored, 20)
+    assert a == b
+    assert torch.equal(sa.next_logits, sb.next_logits)  # bit-identical, not merely close
+
+
+def test_pool_select_assign_roundtrip(tiny):
+    pool = tiny.init_state(4)
+    s = prefill(tiny, [3, 4, 5, 6], tiny.init_state(1))
+    pool.assign([2], s)
+    back = pool.select([2]).compact()
+    assert int(back.position[0]) == 4
+    for la, lb in zip(back.layers, s.compact().layers):
+        for n in la:
+            assert torch.equal(la[n], lb[n])
+
+
+@pytest.fixture
+def model_and_blob():
+    torch.manual_seed(0)
+    m = LM(PRESETS["tiny-linear"]).eval()
+    s = prefill(m, [1, 2, 3], m.init_state(1))
+    return m, s, s.to_bytes(m.fingerprint)
+
+
+def load(m, blob):
+    return State.from_bytes(blob, m.init_state(1), m.fingerprint)
+
+
+def rewrite(s, meta_changes=None, tensor_fn=None):
+    tensors = {f"layers.{i}.{n}": t.contiguous() for i, l in enumerate(s.layers) for n, t in l.items()}
+    tensors["next_logits"] = s.next_logits
+    if tensor_fn:
+        tensors = tensor_fn(tensors)
+    meta = {"format": "linstream-state", "version": "1", "position": str(int(s.position[0])), "dtype": "torch.float32",
+            "shapes": "{}"}
+    meta.update(meta_changes or {})
+    return meta, tensors
+
+
+def test_refuses_truncated(model_and_blob):
+    m, _, blob = model_and_blob
+    for cut in (0, 5, 100, len(blob) - 1):
+        with pytest.raises(SnapshotCorrupt):
+            load(m, blob[:cut])
+
+
+def test_refuses_random_bytes_and_oversize_header(model_and_blob):
+    m, _, _ = model_and_blob
+    with pytest.raises(SnapshotCorrupt):
+        load(m, b"\x00" * 64)
+    with pytest.raises(SnapshotCorrupt):
+        load(m, struct.pack("<Q", 1 << 40) + b"{}")
+
+
+def test_refuses_other_model(model_and_blob):
+    m, s, blob = model_and_blob
+    torch.manual_seed(1)
+    other = LM(PRESETS["tiny-linear"]).eval()  # same shapes, other weights
+    with pytest.raises(SnapshotModelMismatch):
+        State.from_bytes(blob, other.init_state(1), other.fingerprint)
+
+
+def test_refuses_other_version(model_and_blob):
+    m, s, _ = model_and_blob
+    meta, t = rewrite(s, {"version": "99", "fingerprint": m.fingerprint})
+    with pytest.raises(SnapshotVersionMismatch):
+        load(m, st_save(t, metadata=meta))
+
+
+def test_refuses_wrong_shapes_and_dtypes(model_and_blob):
+    m, s, _ = model_and_blob
+    fp = {"fingerprint": m.fingerprint}
+    meta, t = rewrite(s, fp, lambda t: {**t, "layers.0.S": t["layers.0.S"][:, :, :1].contiguous()})
+    with pytest.raises(SnapshotShapeMismatch, match="layers.0.S"):
+        load(m, st_save(t, metadata=meta))
+    meta, t = rewrite(s, fp, lambda t: {**t, "layers.0.S": t["layers.0.S"].double()})
+    with pytest.raises(SnapshotShapeMismatch, match="dtype"):
+        load(m, st_save(t, metadata=meta))
+    meta, t = rewrite(s, fp, lambda t: {k: v for k, v in t.items() if k != "layers.1.z"})
+    with pytest.raises(SnapshotShapeMismatch, match="missing"):
+        load(m, st_save(t, metadata=meta))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_refuses_non_finite(model_and_blob, bad):
+    m, s, _ = model_and_blob
+    def poison(t):
+        t = dict(t)
+        t["layers.1.S"] = t["layers.1.S"].clone()
+        t["layers.1.S"][0, 0, 0, 0] = bad
+        return t
+    meta, t = rewrite(s, {"fingerprint": m.fingerprint}, poison)
+    with pytest.raises(SnapshotNonFinite):
+        load(m, st_save(t, metadata=meta))
+
+
+def test_header_describes_the_state(model_and_blob):
+    m, s, blob = model_and_blob
+    (n,) = struct.unpack("<Q", blob[:8])
+    meta = json.loads(blob[8:8 + n])["__metadata__"]
+    assert meta["fingerprint"] == m.fingerprint and meta["position"] == "3" and meta["version"] == "1"
+    assert json.loads(meta["shapes"])["layers.0.S"] == list(s.layers[0]["S"].shape)
