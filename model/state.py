@@ -115,11 +115,13 @@ class State:
                      self.next_logits.clone())
 
     # ---- serialisation -------------------------------------------------------------------
-    def to_bytes(self, fingerprint: str) -> bytes:
-        """One session's state as a safetensors blob with a self-describing header."""
+    def to_bytes(self, fingerprint: str, extra: dict[str, Tensor] | None = None) -> bytes:
+        """One session's state as a safetensors blob with a self-describing header. `extra`
+        tensors (e.g. the server's token history) travel along as `extra.<name>`."""
         s = self.compact()
         tensors = {f"layers.{i}.{n}": t.contiguous() for i, layer in enumerate(s.layers) for n, t in layer.items()}
         tensors["next_logits"] = s.next_logits.contiguous()
+        tensors.update({f"extra.{k}": v.contiguous() for k, v in (extra or {}).items()})
         meta = {"format": FORMAT, "version": str(VERSION), "fingerprint": fingerprint,
                 "position": str(int(s.position[0])), "dtype": str(next(iter(tensors.values())).dtype),
                 "shapes": json.dumps({k: list(t.shape) for k, t in tensors.items()}, sort_keys=True)}
@@ -129,6 +131,10 @@ class State:
     def from_bytes(cls, blob: bytes, template: "State", fingerprint: str) -> "State":
         """Load a blob made by `to_bytes` for the model whose empty one-row state is `template`.
         Raises a SnapshotError subclass naming what is wrong; never executes anything."""
+        return cls.from_bytes_with_extra(blob, template, fingerprint)[0]
+
+    @classmethod
+    def from_bytes_with_extra(cls, blob: bytes, template: "State", fingerprint: str) -> tuple["State", dict]:
         meta = _read_header(blob)
         if meta.get("format") != FORMAT:
             raise SnapshotCorrupt("not a linstream state blob (format field missing or wrong)")
@@ -163,9 +169,10 @@ class State:
         layers = [{n: take(f"layers.{i}.{n}", t, template.time_dims[i].get(n)) for n, t in layer.items()}
                   for i, layer in enumerate(template.layers)]
         logits = take("next_logits", template.next_logits)
+        extra = {k[len("extra."):]: tensors.pop(k) for k in list(tensors) if k.startswith("extra.")}
         if tensors:
             raise SnapshotShapeMismatch(f"unexpected tensors: {sorted(tensors)[:5]}")
-        return cls(layers, torch.tensor([pos], dtype=torch.long), template.time_dims, logits)
+        return cls(layers, torch.tensor([pos], dtype=torch.long), template.time_dims, logits), extra
 
 
 def _read_header(blob: bytes) -> dict[str, str]:

@@ -1,0 +1,1 @@
+"""linstream clients: Python SDK, CLI, latency benchmark and load tester."""

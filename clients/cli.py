@@ -1,0 +1,36 @@
+"""`linstream` command line (typer): serve, generate, chat, bench, loadtest."""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="linstream: sessions for recurrent LMs")
+
+
+@app.command()
+def serve(
+    model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="model name or checkpoint dir; repeat to serve several (first = default)")] = None,
+    host: Annotated[Optional[str], typer.Option(help="bind address [env LINSTREAM_HOST]")] = None,
+    port: Annotated[Optional[int], typer.Option(help="port [env LINSTREAM_PORT]")] = None,
+    max_sessions: Annotated[Optional[int], typer.Option(help="sessions in memory per recurrent model")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (0 = default)")] = None,
+    log_level: Annotated[str, typer.Option()] = "info",
+):
+    """Serve models over HTTP. Unset options come from LINSTREAM_* environment variables."""
+    import uvicorn
+
+    from server.app import create_app
+    from server.settings import Settings
+    given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads}
+    settings = Settings(**{k: v for k, v in given.items() if v})
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)
+
+
+def main():
+    from . import commands  # noqa: F401  (registers the client commands on `app`)
+    app()
+
+
+if __name__ == "__main__":
+    main()

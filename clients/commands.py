@@ -1,0 +1,1 @@
+"""Client subcommands of `linstream` (registered on clients.cli.app)."""

@@ -1,0 +1,1 @@
+"""linstream server: FastAPI app, sessions, and the continuous-batching engine."""

@@ -1,0 +1,68 @@
+"""The FastAPI app: models load once in the lifespan and live on app.state.runtime."""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException
+
+from . import errors
+from .errors import body
+from .routes import openai, sessions, system
+from .runtime import Runtime
+from .settings import Settings
+
+
+class BodyLimit:
+    """413 for request bodies over the limit, declared (Content-Length) or streamed (chunked)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await _reject(send, self.limit)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise HTTPException(413, f"request body exceeds {self.limit} bytes")
+            return msg
+        await self.app(scope, limited, send)
+
+
+async def _reject(send, limit):
+    import json
+    data = json.dumps(body("request_too_large", f"request body exceeds {limit} bytes")).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        rt = Runtime(settings)
+        rt.start()
+        app.state.runtime = rt
+        try:
+            yield
+        finally:
+            rt.stop()
+
+    app = FastAPI(title="linstream", version="0.1.0", lifespan=lifespan,
+                  description="Streaming inference for recurrent language models, with explicit sessions.")
+    errors.install(app)
+    for r in (sessions.router, openai.router, system.router):
+        app.include_router(r)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    return app

@@ -1,0 +1,294 @@
+"""The engine: one thread per model that owns every session state of that model.
+
+Data path of one token:
+  HTTP handler --submit(Job)--> engine thread: batch of ready jobs --> model.step (one call for
+  all of them) --> sampler --> Job.events (asyncio queue, via call_soon_threadsafe) --> SSE.
+
+States live in one preallocated slot pool (`State` batched over slots); a session owns a slot.
+Each loop iteration runs queued commands (alloc/free/snapshot/restore), at most one prefill chunk
+(so a long prompt never freezes other streams), then one batched decode step.
+
+History = what the client got: a sampled token is emitted but not consumed by the state until the
+handler has yielded it to the response stream (`Job.yielded`). A stream cut short therefore leaves
+a state that covers exactly the tokens the client was sent; a token that never left is dropped.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from model.lm import LM
+from model.sampling import SamplingParams, StopMatcher, sample
+from model.state import State
+from model.tokenizer import Tokenizer
+
+
+@dataclass
+class Job:
+    """One generate request on one session."""
+    slot: int
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    logprobs: int | None = None  # top-n alternatives per token (OpenAI `logprobs`)
+    on_finish: Callable[["Job"], None] | None = None  # runs on the engine thread when the state is final
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    emitted: int = 0
+    yielded: int = 0  # advanced by the handler after each event has been handed to the response
+    pending: int | None = None  # last emitted token, not yet consumed by the state
+    finish: str | None = None
+    cancelled: bool = False
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_last: float | None = None
+    t_start: float | None = None
+
+    def __post_init__(self):
+        self.gen = self.params.generator()
+
+    def timings(self) -> dict:
+        n = self.emitted
+        return {"queue_ms": round(1000 * ((self.t_start or self.t_submit) - self.t_submit), 3),
+                "ttft_ms": round(1000 * ((self.t_first or self.t_submit) - self.t_submit), 3),
+                "per_token_ms": round(1000 * (self.t_last - self.t_first) / (n - 1), 3) if n > 1 else None}
+
+
+@dataclass
+class Prefill:
+    slot: int
+    tokens: list[int]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    logprobs: int | None = None
+    done: int = 0
+    results: list = field(default_factory=list)  # (logprob, top) per token when asked
+    t0: float = field(default_factory=time.perf_counter)
+
+
+class Engine:
+    def __init__(self, name: str, model: LM, tok: Tokenizer, slots: int, prefill_chunk: int, max_batch: int,
+                 metrics=None):
+        self.name, self.model, self.tok = name, model, tok
+        self.pool: State = model.init_state(slots)
+        self.empty = model.init_state(1)
+        self.free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest slot: active rows stay contiguous
+        self.prefill_chunk, self.max_batch, self.metrics = prefill_chunk, max_batch, metrics
+        self.cmds: deque = deque()
+        self.prefills: deque[Prefill] = deque()
+        self.jobs: list[Job] = []
+        self.decoders: dict[int, tuple] = {}
+        self.cv = threading.Condition()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
+
+    # ---- called from the event loop ------------------------------------------------------
+    def start(self):
+        self.thread.start()
+
+    def stop(self):
+        with self.cv:
+            self.stopped = True
+            self.cv.notify()
+        self.thread.join(timeout=10)
+
+    def wake(self):
+        with self.cv:
+            self.cv.notify()
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn() on the engine thread between two iterations; its result or exception."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self.cv:
+            self.cmds.append((fn, fut, loop))
+            self.cv.notify()
+        return await fut
+
+    async def prefill(self, slot: int, tokens: list[int], logprobs: int | None = None) -> Prefill:
+        loop = asyncio.get_running_loop()
+        job = Prefill(slot, tokens, loop.create_future(), loop, logprobs)
+        with self.cv:
+            self.prefills.append(job)
+            self.cv.notify()
+        await job.future
+        return job
+
+    def submit(self, job: Job) -> None:
+        with self.cv:
+            self.jobs.append(job)
+            self.cv.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.prefills) + sum(1 for j in self.jobs if j.t_start is None)
+
+    # ---- slot operations: engine thread only (through `call`) ----------------------------
+    def alloc(self, state: State | None = None) -> int:
+        if not self.free:
+            raise RuntimeError("no free slot")
+        slot = self.free.pop()
+        self.pool.assign([slot], state if state is not None else self.empty)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.pool.assign([slot], self.empty)  # nothing of a session outlives it in the pool
+        self.free.append(slot)
+        self.free.sort(reverse=True)
+
+    def read(self, slot: int) -> State:
+        return self.pool.select([slot]).compact()
+
+    def fork(self, slot: int) -> int:
+        return self.alloc(self.read(slot))
+
+    def row_nbytes(self, slot: int) -> int:
+        return self.pool.row_nbytes(slot)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def _ready(self) -> bool:
+        return bool(self.cmds or self.prefills or any(
+            j.cancelled or j.pending is None or j.yielded >= j.emitted for j in self.jobs))
+
+    def _run(self):
+        torch.set_grad_enabled(False)
+        while True:
+            with self.cv:
+                while not self.stopped and not self._ready():
+                    self.cv.wait(timeout=1.0)
+                if self.stopped:
+                    return
+                cmds = list(self.cmds)
+                self.cmds.clear()
+            for fn, fut, loop in cmds:
+                try:
+                    res, err = fn(), None
+                except Exception as e:  # handed back to the awaiting handler
+                    res, err = None, e
+                loop.call_soon_threadsafe(_settle, fut, res, err)
+            if self.prefills:
+                self._prefill_chunk(self.prefills[0])
+            self._decode()
+
+    def _prefill_chunk(self, job: Prefill):
+        try:
+            chunk = job.tokens[job.done:job.done + self.prefill_chunk]
+            st = self.pool.select([job.slot])
+            prev = st.next_logits.clone() if job.logprobs is not None else None
+            logits, new = self.model(torch.tensor([chunk], dtype=torch.long), st)
+            self.pool.assign([job.slot], new)
+            if job.logprobs is not None:
+                all_logits = torch.cat([prev[:, None], logits[:, :-1]], 1)[0]  # predicts each chunk token
+                job.results += _logprob_entries(all_logits, chunk, job.logprobs, self.tok)
+            job.done += len(chunk)
+        except Exception as e:
+            self.prefills.popleft()
+            job.loop.call_soon_threadsafe(_settle, job.future, None, e)
+            return
+        if job.done >= len(job.tokens):
+            self.prefills.popleft()
+            job.loop.call_soon_threadsafe(_settle, job.future, job, None)
+
+    def _decode(self):
+        first, step = [], []
+        for j in list(self.jobs):
+            if j.cancelled and j.pending is not None and j.yielded < j.emitted:
+                j.pending = None  # never reached the client: not part of the session
+                self._finish(j)
+            elif j.pending is None:  # a new job: its first token comes from the logits already held
+                if j.cancelled or j.params.max_tokens == 0:
+                    self._finish(j)
+                else:
+                    first.append(j)
+            elif j.yielded >= j.emitted or j.cancelled:
+                step.append(j)
+        step = step[: self.max_batch]
+        if first:
+            rows = [j.slot for j in first]
+            for j in first:
+                j.t_start = time.perf_counter()
+            self._emit(first, self.pool.next_logits[rows])
+        if not step:
+            return
+        step.sort(key=lambda j: j.slot)
+        rows = [j.slot for j in step]
+        st = self.pool.select(rows)
+        t0 = time.perf_counter()
+        logits, new = self.model.step(torch.tensor([j.pending for j in step]), st)
+        self.pool.assign(rows, new)
+        if self.metrics:
+            self.metrics.step_seconds.labels(self.name).observe(time.perf_counter() - t0)
+            self.metrics.batch_size.labels(self.name).observe(len(step))
+        go = []
+        for j in step:
+            j.pending = None
+            if j.finish or j.cancelled:
+                self._finish(j)
+            else:
+                go.append(j)
+        if go:
+            idx = [rows.index(j.slot) for j in go]
+            self._emit(go, logits[idx])
+
+    def _emit(self, jobs: list[Job], logits: torch.Tensor):
+        tokens = sample(logits, [j.params for j in jobs], [j.gen for j in jobs])
+        now = time.perf_counter()
+        for i, j in enumerate(jobs):
+            t = int(tokens[i])
+            dec, stop = self.decoders.setdefault(id(j), (self.tok.decoder(), StopMatcher(j.params.stop)))
+            text, stopped = stop.feed(dec.feed(t))
+            j.emitted += 1
+            j.pending = t
+            if stopped:
+                j.finish = "stop"
+            elif j.emitted >= j.params.max_tokens:
+                j.finish = "length"
+                text += stop.feed(dec.flush())[0] + stop.flush()
+            ev = {"token": t, "text": text}
+            if j.logprobs is not None:
+                ev["logprobs"] = _logprob_entries(logits[i:i + 1], [t], j.logprobs, self.tok)[0]
+            if self.metrics:
+                self.metrics.tokens.labels(self.name).inc()
+                if j.t_first is None:
+                    self.metrics.ttft.labels(self.name).observe(now - j.t_submit)
+                else:
+                    self.metrics.itl.labels(self.name).observe(now - j.t_last)
+            j.t_first = j.t_first or now
+            j.t_last = now
+            j.loop.call_soon_threadsafe(j.events.put_nowait, ("token", ev))
+
+    def _finish(self, j: Job):
+        self.jobs.remove(j)
+        self.decoders.pop(id(j), None)
+        if j.finish is None:
+            j.finish = "cancelled" if j.cancelled else "length"
+        if j.on_finish:
+            j.on_finish(j)
+        j.loop.call_soon_threadsafe(j.events.put_nowait, ("done", None))
+
+
+def _settle(fut: asyncio.Future, res, err):
+    if fut.done():
+        return
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(res)
+
+
+def _logprob_entries(logits: torch.Tensor, tokens: list[int], top: int, tok: Tokenizer) -> list[tuple]:
+    """(logprob of each token, {text: logprob} of the top-n alternatives) from logits (N, V)."""
+    lp = torch.log_softmax(logits.float(), -1)
+    chosen = lp.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    out = []
+    for i, t in enumerate(tokens):
+        alts = {}
+        if top:
+            v, ix = lp[i].topk(top)
+            alts = {tok.decode([int(a)]): float(b) for a, b in zip(ix, v)}
+        out.append((float(chosen[i]), alts))
+    return out

@@ -1,0 +1,46 @@
+"""Every error leaves as JSON {"error": {"type", "message"}} with its status code."""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from model.state import SnapshotError
+
+
+class APIError(Exception):
+    def __init__(self, status: int, type: str, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.type, self.message, self.headers = status, type, message, headers
+
+
+def not_found(what: str, id: str) -> APIError:
+    return APIError(404, "not_found", f"{what} {id!r} not found")
+
+
+def body(type: str, message: str) -> dict:
+    return {"error": {"type": type, "message": message}}
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api(_: Request, e: APIError):
+        return JSONResponse(body(e.type, e.message), e.status, headers=e.headers)
+
+    @app.exception_handler(SnapshotError)
+    async def _snap(_: Request, e: SnapshotError):
+        return JSONResponse(body(e.kind, str(e)), 400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError):
+        msg = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+        return JSONResponse(body("invalid_request", msg), 422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        return JSONResponse(body("http_error", str(e.detail)), e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception):  # a bug: still JSON, and the server goes on
+        return JSONResponse(body("internal_error", f"{type(e).__name__}: {e}"), 500)

@@ -1,0 +1,28 @@
+"""Prometheus metrics (prometheus-client), one registry per app so several apps can coexist."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (.0005, .001, .002, .003, .005, .0075, .01, .015, .02, .03, .05, .075, .1, .2, .5, 1, 2, 5)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("linstream_time_to_first_token_seconds", "Submit to first token", ["model"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("linstream_inter_token_latency_seconds", "Between two tokens of one stream", ["model"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.step_seconds = Histogram("linstream_decode_step_seconds", "One batched decode step", ["model"],
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("linstream_decode_batch_size", "Sessions per decode step", ["model"],
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.tokens = Counter("linstream_tokens_generated", "Tokens generated", ["model"], registry=r)
+        self.prompt_tokens = Counter("linstream_prompt_tokens", "Tokens prefilled", ["model"], registry=r)
+        self.requests = Counter("linstream_requests", "Requests by route and status", ["route", "status"], registry=r)
+        self.sessions = Gauge("linstream_active_sessions", "Sessions held in memory", ["model"], registry=r)
+        self.state_bytes = Gauge("linstream_state_bytes", "Bytes of session state held", ["model"], registry=r)
+        self.queue_depth = Gauge("linstream_queue_depth", "Prefills and generations waiting to start", ["model"],
+                                 registry=r)
+        self.snapshots = Gauge("linstream_snapshots", "Server-side snapshots held", registry=r)
+        self.rss = Gauge("linstream_resident_memory_bytes", "Resident memory of the server process", registry=r)

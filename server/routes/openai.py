@@ -1,0 +1,205 @@
+"""OpenAI-compatible /v1/completions and /v1/chat/completions (streaming and not), /v1/models.
+
+Each request runs on a session: the one named by the `session_id` extension field (continued,
+and kept), or a temporary one deleted afterwards.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Literal
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette.sse import EventSourceResponse
+
+from ..errors import APIError
+from ..schemas import Sampling
+from ..streaming import events
+from .deps import RT
+from .sessions import sampling_params
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+class Completion(Sampling):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | list[int] = ""
+    max_tokens: int = Field(16, ge=0)
+    stream: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    n: int = Field(1, ge=1, le=1)
+    session_id: str | None = None
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class Chat(Sampling):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    stream: bool = False
+    n: int = Field(1, ge=1, le=1)
+    session_id: str | None = None
+
+
+def chat_prompt(messages: list[Message]) -> str:
+    """A plain transcript: 'ROLE:\\ncontent\\n\\n' per message, then 'ASSISTANT:\\n'."""
+    return "".join(f"{m.role.upper()}:\n{m.content}\n\n" for m in messages) + "ASSISTANT:\n"
+
+
+async def _run(rt, req, text: str | list[int], echo_logprobs: int | None, logprobs: int | None):
+    """Open or continue the session, push the prompt, start generating. -> (session, job, echo, temp)"""
+    if req.session_id:
+        s = rt.sessions.get(req.session_id)
+        if req.model and req.model != s.model:
+            raise APIError(400, "invalid_request", f"session {s.id!r} runs model {s.model!r}")
+        temp = False
+    else:
+        s = await rt.create(req.model, None, None)
+        temp = True
+    eng = rt.engines[s.model]
+    params = sampling_params(req, rt)
+    ids = rt.tokens_of(eng, text, None) if isinstance(text, str) else rt.tokens_of(eng, None, text)
+    with rt.sessions.hold(s.id):
+        try:
+            start = s.position
+            _, pre = await rt.push(s, ids, echo_logprobs)
+            echo = None
+            if pre is not None and echo_logprobs is not None:
+                echo = [(t, None if start == 0 and i == 0 else lp, None if start == 0 and i == 0 else top)
+                        for i, (t, (lp, top)) in enumerate(zip(ids, pre.results))]
+            job = rt.generate(s, params, logprobs)
+        except Exception:
+            s.busy = False
+            if temp:
+                await rt.delete(s)
+            raise
+    return s, eng, job, ids, echo, temp
+
+
+def _logprobs_obj(tok, entries):
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    off = 0
+    for t, lp, top in entries:
+        piece = tok.decode([t])
+        out["tokens"].append(piece)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(off)
+        off += len(piece)
+    return out
+
+
+@router.post("/completions")
+async def completions(req: Completion, rt: RT):
+    want = req.logprobs
+    s, eng, job, ids, echo, temp = await _run(rt, req, req.prompt, want if req.echo else None, want)
+    cid, created = f"cmpl-{s.id[5:21]}", int(time.time())
+    base = {"id": cid, "object": "text_completion", "created": created, "model": s.model}
+    prefix = eng.tok.decode(ids) if req.echo else ""
+
+    async def finish():
+        if temp:
+            await rt.delete(s)
+
+    if req.stream:
+        async def gen():
+            try:
+                if prefix:
+                    yield {"data": json.dumps({**base, "choices": [{"index": 0, "text": prefix, "finish_reason": None,
+                                                                    "logprobs": None}]})}
+                async for kind, ev in events(job, eng, s):
+                    if kind == "token":
+                        lp = _logprobs_obj(eng.tok, [(ev["token"], *ev["logprobs"])]) if "logprobs" in ev else None
+                        choice = {"index": 0, "text": ev["text"], "finish_reason": None, "logprobs": lp}
+                    else:
+                        choice = {"index": 0, "text": "", "finish_reason": _finish(ev["finish_reason"]), "logprobs": None}
+                    yield {"data": json.dumps({**base, "choices": [choice]})}
+                    if kind == "done":
+                        yield {"data": json.dumps({**base, "choices": [], "usage": ev["usage"]})}
+                yield {"data": "[DONE]"}
+            finally:
+                await finish()
+        return EventSourceResponse(gen(), ping=15)
+
+    toks, text, lps, done = [], [], [], None
+    try:
+        async for kind, ev in events(job, eng, s):
+            if kind == "token":
+                toks.append(ev["token"])
+                text.append(ev["text"])
+                if "logprobs" in ev:
+                    lps.append((ev["token"], *ev["logprobs"]))
+            else:
+                done = ev
+    finally:
+        await finish()
+    lp = None
+    if want is not None:
+        lp = _logprobs_obj(eng.tok, (echo or []) + lps)
+    return {**base, "choices": [{"index": 0, "text": prefix + "".join(text), "finish_reason": _finish(done["finish_reason"]),
+                                 "logprobs": lp}],
+            "usage": done["usage"], **({"session_id": s.id} if not temp else {})}
+
+
+def _finish(reason: str) -> str:
+    return "stop" if reason in ("stop", "cancelled") else "length"
+
+
+@router.post("/chat/completions")
+async def chat(req: Chat, rt: RT):
+    req.max_tokens = req.max_completion_tokens or req.max_tokens or 64
+    s, eng, job, _, _, temp = await _run(rt, req, chat_prompt(req.messages), None, None)
+    cid, created = f"chatcmpl-{s.id[5:21]}", int(time.time())
+    base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": s.model}
+
+    async def finish():
+        if temp:
+            await rt.delete(s)
+
+    if req.stream:
+        async def gen():
+            try:
+                yield {"data": json.dumps({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                                "finish_reason": None}]})}
+                async for kind, ev in events(job, eng, s):
+                    if kind == "token":
+                        choice = {"index": 0, "delta": {"content": ev["text"]}, "finish_reason": None}
+                    else:
+                        choice = {"index": 0, "delta": {}, "finish_reason": _finish(ev["finish_reason"])}
+                    yield {"data": json.dumps({**base, "choices": [choice]})}
+                yield {"data": "[DONE]"}
+            finally:
+                await finish()
+        return EventSourceResponse(gen(), ping=15)
+
+    text, done = [], None
+    try:
+        async for kind, ev in events(job, eng, s):
+            if kind == "token":
+                text.append(ev["text"])
+            else:
+                done = ev
+    finally:
+        await finish()
+    return {**base, "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                         "finish_reason": _finish(done["finish_reason"])}],
+            "usage": done["usage"], **({"session_id": s.id} if not temp else {})}
+
+
+@router.get("/models")
+async def models(rt: RT):
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "linstream",
+         "mixers": list(e.model.cfg.layer_mixers), "parameters": e.model.num_params(),
+         "fingerprint": e.model.fingerprint} for name, e in rt.engines.items()]}

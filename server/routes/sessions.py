@@ -1,0 +1,130 @@
+"""The session API: /v1/sessions/..."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+
+from model.sampling import SamplingParams
+
+from ..errors import APIError
+from ..schemas import CreateSession, Generate, Push, Restore
+from ..streaming import collect, sse
+from .deps import RT
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+
+
+def sampling_params(req, rt) -> SamplingParams:
+    rt.check_max_tokens(req.max_tokens)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(req.max_tokens, req.temperature, req.top_k, req.top_p, req.seed, stop)
+
+
+@router.post("", status_code=201)
+async def create(req: CreateSession, rt: RT):
+    s = await rt.create(req.model, req.prompt, req.tokens)
+    return rt.describe(s)
+
+
+@router.get("")
+async def list_sessions(rt: RT):
+    return {"data": [rt.describe(s) for s in list(rt.sessions.by_id.values())]}
+
+
+@router.post("/restore", status_code=201)
+async def restore(request: Request, rt: RT):
+    """Body: JSON {"snapshot_id"} or the raw state blob (application/octet-stream)."""
+    ctype = request.headers.get("content-type", "")
+    if ctype.startswith("application/json"):
+        try:
+            req = Restore.model_validate_json(await request.body())
+        except ValueError as e:
+            raise APIError(422, "invalid_request", str(e)) from None
+        snap = rt.sessions.snapshot(req.snapshot_id)
+        s = await rt.restore(snap.blob, snap.model)
+    elif ctype.startswith("application/octet-stream"):
+        s = await rt.restore(await request.body(), request.query_params.get("model"))
+    else:
+        raise APIError(415, "unsupported_media_type",
+                       "send application/json {\"snapshot_id\"} or an application/octet-stream state blob")
+    return rt.describe(s)
+
+
+@router.get("/{sid}")
+async def get(sid: str, rt: RT):
+    return rt.describe(rt.sessions.get(sid))
+
+
+@router.get("/{sid}/history")
+async def history(sid: str, rt: RT):
+    s = rt.sessions.get(sid)
+    tok = rt.engines[s.model].tok
+    return {"id": s.id, "position": s.position, "history_start": s.history_start,
+            "tokens": list(s.tokens), "text": tok.decode(s.tokens)}
+
+
+@router.post("/{sid}/push")
+async def push(sid: str, req: Push, rt: RT):
+    s = rt.sessions.get(sid)
+    ids = rt.tokens_of(rt.engines[s.model], req.text, req.tokens)
+    with rt.sessions.hold(sid):
+        try:
+            ms, _ = await rt.push(s, ids)
+        finally:
+            s.busy = False
+    return {"position": s.position, "prefill_ms": round(ms, 3), "tokens": len(ids)}
+
+
+@router.post("/{sid}/generate")
+async def generate(sid: str, req: Generate, rt: RT):
+    s = rt.sessions.get(sid)
+    params = sampling_params(req, rt)
+    eng = rt.engines[s.model]
+    with rt.sessions.hold(sid):
+        try:
+            job = rt.generate(s, params, req.logprobs)
+        except Exception:
+            s.busy = False
+            raise
+    if req.stream:
+        return EventSourceResponse(sse(job, eng, s), ping=15)
+    return await collect(job, eng, s)
+
+
+@router.post("/{sid}/snapshot")
+async def snapshot(sid: str, rt: RT):
+    with rt.sessions.hold(sid) as s:
+        try:
+            snap = await rt.snapshot(s)
+        finally:
+            s.busy = False
+    return {"snapshot_id": snap.id, "position": snap.position, "bytes": len(snap.blob), "model": snap.model}
+
+
+@router.get("/{sid}/state")
+async def state(sid: str, rt: RT):
+    with rt.sessions.hold(sid) as s:
+        try:
+            blob = await rt.state_blob(s)
+        finally:
+            s.busy = False
+    return Response(blob, media_type="application/octet-stream",
+                    headers={"Content-Disposition": f'attachment; filename="{sid}.safetensors"'})
+
+
+@router.post("/{sid}/fork", status_code=201)
+async def fork(sid: str, rt: RT):
+    with rt.sessions.hold(sid) as s:
+        try:
+            child = await rt.fork(s)
+        finally:
+            s.busy = False
+    return rt.describe(child)
+
+
+@router.delete("/{sid}", status_code=204)
+async def delete(sid: str, rt: RT):
+    with rt.sessions.hold(sid) as s:
+        await rt.delete(s)
+    return Response(status_code=204)

@@ -1,0 +1,31 @@
+"""Server settings: one pydantic-settings class; environment LINSTREAM_*, overridden by the CLI."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+WEIGHTS = Path(__file__).resolve().parent.parent / "model" / "weights"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LINSTREAM_")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # model names (directories under model/weights) or checkpoint paths; the first is the default
+    models: list[str] = Field(default_factory=lambda: ["linear"])
+    max_sessions: int = 1024  # recurrent models: sessions held in memory (state slots)
+    max_kv_sessions: int = 16  # KV-cache models: their slots grow with context, so fewer
+    max_prompt_tokens: int = 65536  # per create/push/completion request
+    max_new_tokens: int = 4096  # per generate request
+    max_body_bytes: int = 16 << 20  # request bodies (state blobs included)
+    prefill_chunk: int = 512  # prefill advances this many tokens between two decode steps
+    max_batch: int = 256  # sessions advanced by one decode step
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    snapshot_limit: int = 10000  # server-side snapshots kept (oldest dropped first)
+
+    def checkpoint(self, name: str) -> Path:
+        p = Path(name)
+        return p if p.is_dir() else WEIGHTS / name

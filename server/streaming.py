@@ -1,0 +1,55 @@
+"""From an engine Job to what the client sees: SSE events or one JSON body.
+
+The handler is the only writer of a session's history: it appends a token once the event
+carrying it has been handed to the response, then tells the engine (Job.yielded), which only
+then lets the state consume it.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from .engine import Engine, Job
+from .sessions import Session
+
+
+async def events(job: Job, eng: Engine, s: Session) -> AsyncIterator[tuple[str, dict]]:
+    """("token", {...}) per token, then ("done", {...}). Cancels the job if abandoned."""
+    start = s.position
+    try:
+        while True:
+            kind, ev = await job.events.get()
+            if kind == "done":
+                n = job.yielded
+                yield "done", {"finish_reason": job.finish,
+                               "usage": {"prompt_tokens": start, "completion_tokens": n, "total_tokens": start + n},
+                               "timings": job.timings()}
+                return
+            ev["position"] = start + job.yielded + 1
+            yield "token", ev
+            s.tokens.append(ev["token"])  # reached only once the event was handed over
+            job.yielded += 1
+            eng.wake()
+    finally:
+        if job.finish is None or job.yielded < job.emitted:
+            job.cancelled = True
+            eng.wake()
+
+
+async def sse(job: Job, eng: Engine, s: Session):
+    async for kind, ev in events(job, eng, s):
+        yield {"event": kind, "data": json.dumps(ev)}
+    yield {"data": "[DONE]"}
+
+
+async def collect(job: Job, eng: Engine, s: Session) -> dict:
+    toks, text, lps = [], [], []
+    async for kind, ev in events(job, eng, s):
+        if kind == "token":
+            toks.append(ev["token"])
+            text.append(ev["text"])
+            if "logprobs" in ev:
+                lps.append(ev["logprobs"])
+        else:
+            return {"tokens": toks, "text": "".join(text), **ev, **({"logprobs": lps} if lps else {})}
+    raise RuntimeError("generation ended without a done event")
