@@ -5,7 +5,12 @@ from typing import Annotated, Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="linstream: sessions for recurrent LMs")
+app = typer.Typer(add_completion=False, no_args_is_help=True)
+
+
+@app.callback()
+def root():
+    """linstream: a streaming inference server for recurrent LMs, with explicit sessions."""
 
 
 @app.command()

@@ -1,0 +1,237 @@
+"""Session API in-process (httpx.ASGITransport): every endpoint, every error, exact continuation."""
+import asyncio
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from server.app import create_app
+from server.settings import Settings
+
+from .helpers import make_checkpoint
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt")
+    return [str(make_checkpoint(d, p)) for p in ("tiny-linear", "tiny-softmax", "tiny-mamba")]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(checkpoints):
+    app = create_app(Settings(models=checkpoints, max_sessions=6, max_kv_sessions=4, max_prompt_tokens=500,
+                              max_new_tokens=300, max_body_bytes=200_000))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            yield c
+
+
+async def new(c, prompt="ROMEO:\nBut soft, what light", model=None):
+    r = await c.post("/v1/sessions", json={"prompt": prompt, **({"model": model} if model else {})})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+async def gen(c, sid, **kw):
+    r = await c.post(f"/v1/sessions/{sid}/generate", json={"stream": False, "temperature": 0, "max_tokens": 12, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def error_type(r):
+    return r.json()["error"]["type"]
+
+
+@pytest.mark.parametrize("model", ["linear", "softmax", "mamba"])
+async def test_lifecycle(client, model):
+    s = await new(client, model=model)
+    assert s["model"] == model and s["position"] > 0 and s["state_bytes"] > 0
+    assert (await client.get(f"/v1/sessions/{s['id']}")).json()["position"] == s["position"]
+    r = await client.post(f"/v1/sessions/{s['id']}/push", json={"text": " doth"})
+    assert r.status_code == 200 and r.json()["position"] > s["position"]
+    out = await gen(client, s["id"], max_tokens=7)
+    assert len(out["tokens"]) == 7 and out["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 7 and out["timings"]["ttft_ms"] >= 0
+    h = (await client.get(f"/v1/sessions/{s['id']}/history")).json()
+    assert h["position"] == len(h["tokens"]) and h["tokens"][-7:] == out["tokens"]
+    assert h["text"].startswith("ROMEO:\nBut soft, what light doth")
+    assert (await client.delete(f"/v1/sessions/{s['id']}")).status_code == 204
+    r = await client.get(f"/v1/sessions/{s['id']}")
+    assert r.status_code == 404 and error_type(r) == "not_found"
+
+
+async def test_stream_events(client):
+    s = await new(client)
+    r = await client.post(f"/v1/sessions/{s['id']}/generate", json={"max_tokens": 4, "seed": 1})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    blocks = [b for b in r.text.replace("\r\n", "\n").split("\n\n") if b.strip()]
+    assert [b.split("\n")[0] for b in blocks] == ["event: token"] * 4 + ["event: done", "data: [DONE]"]
+    assert '"finish_reason": "length"' in blocks[4] and '"per_token_ms"' in blocks[4]
+
+
+@pytest.mark.parametrize("model", ["linear", "softmax", "mamba"])
+async def test_snapshot_restore_fork_continue_exactly(client, model):
+    s = await new(client, model=model)
+    snap = (await client.post(f"/v1/sessions/{s['id']}/snapshot")).json()
+    blob = (await client.get(f"/v1/sessions/{s['id']}/state")).content
+    fork = (await client.post(f"/v1/sessions/{s['id']}/fork")).json()
+    want = (await gen(client, s["id"]))["tokens"]
+    by_id = (await client.post("/v1/sessions/restore", json={"snapshot_id": snap["snapshot_id"]})).json()
+    r = await client.post("/v1/sessions/restore", content=blob, headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 201, r.text
+    by_blob = r.json()
+    for other in (by_id, by_blob, fork):
+        assert other["position"] == s["position"]
+        assert (await gen(client, other["id"]))["tokens"] == want
+    # the blob carries the history too
+    h = (await client.get(f"/v1/sessions/{by_blob['id']}/history")).json()
+    assert h["text"].startswith("ROMEO:")
+    for x in (by_id, by_blob, fork, s):
+        await client.delete(f"/v1/sessions/{x['id']}")
+
+
+async def test_fork_and_parent_sample_the_same_with_same_seed(client):
+    s = await new(client)
+    f = (await client.post(f"/v1/sessions/{s['id']}/fork")).json()
+    a = await gen(client, s["id"], temperature=0.9, top_p=0.9, seed=42)
+    b = await gen(client, f["id"], temperature=0.9, top_p=0.9, seed=42)
+    assert a["tokens"] == b["tokens"]
+    await client.delete(f"/v1/sessions/{s['id']}")
+    await client.delete(f"/v1/sessions/{f['id']}")
+
+
+async def test_stop_sequence(client):
+    s = await new(client)
+    full = await gen(client, s["id"], max_tokens=20)
+    await client.delete(f"/v1/sessions/{s['id']}")
+    text = full["text"]
+    if len(text) < 4:
+        pytest.skip("model emitted too little text to pick a stop string")
+    stop = text[2:4]
+    s = await new(client)
+    out = await gen(client, s["id"], max_tokens=20, stop=[stop])
+    assert out["finish_reason"] == "stop" and stop not in out["text"] and text.startswith(out["text"])
+    await client.delete(f"/v1/sessions/{s['id']}")
+
+
+@pytest.mark.parametrize("path,body,status,etype", [
+    ("/v1/sessions", {"model": "nope"}, 400, "unknown_model"),
+    ("/v1/sessions", {"tokens": [5, 99999]}, 400, "invalid_token"),
+    ("/v1/sessions", {"tokens": [-1]}, 400, "invalid_token"),
+    ("/v1/sessions", {"prompt": "a", "tokens": [1]}, 400, "invalid_request"),
+    ("/v1/sessions", {"tokens": [1] * 501}, 413, "prompt_too_long"),
+    ("/v1/sessions", {"bogus": 1}, 422, "invalid_request"),
+    ("/v1/sessions/restore", {"snapshot_id": "snap_missing"}, 404, "not_found"),
+    ("/v1/sessions/sess_missing/push", {"text": "x"}, 404, "not_found"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 422, "invalid_request"),
+])
+async def test_errors(client, path, body, status, etype):
+    r = await client.post(path, json=body)
+    assert r.status_code == status, r.text
+    assert error_type(r) == etype and r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body,status,etype", [
+    ({"max_tokens": -1}, 422, "invalid_request"),
+    ({"max_tokens": 301}, 413, "max_tokens_too_large"),
+    ({"temperature": -0.5}, 422, "invalid_request"),
+    ({"top_p": 0}, 422, "invalid_request"),
+])
+async def test_generate_errors(client, body, status, etype):
+    s = await new(client)
+    r = await client.post(f"/v1/sessions/{s['id']}/generate", json=body)
+    assert r.status_code == status and error_type(r) == etype
+    await client.delete(f"/v1/sessions/{s['id']}")
+
+
+async def test_empty_session_cannot_generate(client):
+    r = await client.post("/v1/sessions", json={})
+    sid = r.json()["id"]
+    r = await client.post(f"/v1/sessions/{sid}/generate", json={"stream": False})
+    assert r.status_code == 400 and error_type(r) == "empty_session"
+    await client.delete(f"/v1/sessions/{sid}")
+
+
+async def test_body_too_large(client):
+    r = await client.post("/v1/sessions", content=b"x" * 200_001, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and error_type(r) == "request_too_large"
+
+
+async def test_bad_blobs_are_400_with_reason(client):
+    s = await new(client)
+    blob = (await client.get(f"/v1/sessions/{s['id']}/state")).content
+    mamba = await new(client, model="mamba")
+    mamba_blob = (await client.get(f"/v1/sessions/{mamba['id']}/state")).content
+    flipped = bytearray(blob)
+    flipped[len(blob) // 2] ^= 0xFF
+    cases = {b"garbage": "corrupt_snapshot", blob[: len(blob) // 2]: "corrupt_snapshot", b"": "corrupt_snapshot"}
+    for bad, kind in cases.items():
+        r = await client.post("/v1/sessions/restore", content=bad, headers={"content-type": "application/octet-stream"})
+        assert r.status_code == 400 and error_type(r) == kind, r.text
+    r = await client.post("/v1/sessions/restore?model=linear", content=mamba_blob,
+                          headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 400 and error_type(r) == "snapshot_model_mismatch"
+    r = await client.post("/v1/sessions/restore", content=bytes(flipped), headers={"content-type": "application/octet-stream"})
+    assert r.status_code in (201, 400)  # a flipped bit in a float may still be a valid state; never a 500
+    r = await client.post("/v1/sessions/restore", content=b"{}", headers={"content-type": "text/plain"})
+    assert r.status_code == 415
+    for x in (s, mamba):
+        await client.delete(f"/v1/sessions/{x['id']}")
+    assert (await client.get("/healthz")).status_code == 200
+
+
+async def test_capacity_503_with_retry_after(client):
+    held = [s["id"] for s in (await client.get("/v1/sessions")).json()["data"] if s["model"] == "mamba"]
+    made = []
+    while True:
+        r = await client.post("/v1/sessions", json={"model": "mamba", "prompt": "x"})
+        if r.status_code != 201:
+            break
+        made.append(r.json()["id"])
+    assert r.status_code == 503 and r.headers["retry-after"] and error_type(r) == "at_capacity"
+    assert len(made) + len(held) == 6
+    for sid in made:
+        await client.delete(f"/v1/sessions/{sid}")
+
+
+async def test_busy_session_409(client):
+    s = await new(client)
+    long = asyncio.create_task(client.post(f"/v1/sessions/{s['id']}/generate",
+                                           json={"stream": False, "max_tokens": 300}))
+    await asyncio.sleep(0.05)
+    r = await client.post(f"/v1/sessions/{s['id']}/push", json={"text": "x"})
+    assert r.status_code == 409 and error_type(r) == "session_busy"
+    assert (await long).status_code == 200
+    assert (await client.post(f"/v1/sessions/{s['id']}/push", json={"text": "x"})).status_code == 200
+    await client.delete(f"/v1/sessions/{s['id']}")
+
+
+async def test_openai_completion_echo_logprobs(client):
+    r = await client.post("/v1/completions", json={"prompt": "To be, or not", "max_tokens": 0, "echo": True, "logprobs": 0})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and all(x < 0 for x in lp["token_logprobs"][1:])
+    assert r.json()["choices"][0]["text"] == "To be, or not"
+    r = await client.post("/v1/completions", json={"prompt": "To be", "max_tokens": 3, "logprobs": 2, "temperature": 0})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 3 and all(len(t) == 2 for t in lp["top_logprobs"])
+
+
+async def test_openai_session_continuation(client):
+    s = await new(client)
+    r = await client.post("/v1/completions", json={"prompt": " and", "max_tokens": 3, "session_id": s["id"]})
+    assert r.status_code == 200 and r.json()["session_id"] == s["id"]
+    assert (await client.get(f"/v1/sessions/{s['id']}")).json()["position"] == s["position"] + 1 + 3
+    await client.delete(f"/v1/sessions/{s['id']}")
+
+
+async def test_models_health_metrics(client):
+    models = (await client.get("/v1/models")).json()["data"]
+    assert {m["id"] for m in models} == {"linear", "softmax", "mamba"}
+    assert (await client.get("/healthz")).json()["status"] == "ok"
+    text = (await client.get("/metrics")).text
+    for name in ("linstream_time_to_first_token_seconds", "linstream_inter_token_latency_seconds",
+                 "linstream_tokens_generated_total", "linstream_active_sessions", "linstream_state_bytes",
+                 "linstream_queue_depth"):
+        assert name in text
