@@ -35,7 +35,3 @@ def serve(
 def main():
     from . import commands  # noqa: F401  (registers the client commands on `app`)
     app()
-
-
-if __name__ == "__main__":
-    main()

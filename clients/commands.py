@@ -1,1 +1,104 @@
-"""Client subcommands of `linstream` (registered on clients.cli.app)."""
+"""Client subcommands of `linstream` (registered on clients.cli.app): generate, chat, bench, loadtest."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .cli import app
+from .sdk import Client, LinstreamError
+
+URL = typer.Option("--url", envvar="LINSTREAM_URL", help="server base URL")
+bench = typer.Typer(no_args_is_help=True, help="Benchmarks against a running server.")
+app.add_typer(bench, name="bench")
+
+
+@app.command()
+def generate(prompt: str, url: Annotated[str, URL] = "http://127.0.0.1:8000",
+             model: Optional[str] = None, max_tokens: int = 200, temperature: float = 0.8, top_p: float = 0.95,
+             seed: Optional[int] = None):
+    """Stream a continuation of PROMPT to the terminal as it arrives."""
+    with Client(url) as c:
+        try:
+            s = c.create_session(prompt=prompt, model=model)
+            stream = c.generate(s["id"], max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+            sys.stdout.write(prompt)
+            for ev in stream:
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+            c.delete(s["id"])
+        except LinstreamError as e:
+            typer.echo(f"\nerror: {e}", err=True)
+            raise typer.Exit(1)
+    t = stream.done.timings
+    typer.echo(f"\n[{stream.done.usage['completion_tokens']} tokens, ttft {t['ttft_ms']} ms, "
+               f"{t['per_token_ms']} ms/token]", err=True)
+
+
+CHAT_HELP = "commands: /save FILE (state blob), /load FILE, /history, /quit; anything else is sent"
+
+
+@app.command()
+def chat(url: Annotated[str, URL] = "http://127.0.0.1:8000", model: Optional[str] = None,
+         max_tokens: int = 120, temperature: float = 0.8, top_p: float = 0.95):
+    """Interactive loop on one session. Each line is pushed, then the model answers."""
+    c = Client(url)
+    sid = c.create_session(model=model)["id"]
+    typer.echo(f"session {sid}; {CHAT_HELP}")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        cmd, _, arg = line.strip().partition(" ")
+        try:
+            if cmd == "/quit":
+                break
+            elif cmd == "/save":
+                Path(arg).write_bytes(c.state(sid))
+                typer.echo(f"saved position {c.get_session(sid)['position']} to {arg}")
+            elif cmd == "/load":
+                new = c.restore(blob=Path(arg).read_bytes())
+                c.delete(sid)
+                sid = new["id"]
+                typer.echo(f"loaded {arg}: session {sid} at position {new['position']}")
+            elif cmd == "/history":
+                typer.echo(c.history(sid)["text"])
+            else:
+                c.push(sid, text=line + "\n")
+                for ev in c.generate(sid, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=["\n\n"]):
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                sys.stdout.write("\n")
+        except (LinstreamError, OSError) as e:
+            typer.echo(f"error: {e}", err=True)
+    c.delete(sid)
+
+
+@bench.command("latency")
+def bench_latency(url: Annotated[str, URL] = "http://127.0.0.1:8000",
+                  models: Annotated[str, typer.Option(help="comma-separated served models")] = "linear,mamba,softmax",
+                  contexts: Annotated[str, typer.Option(help="comma-separated context lengths")] = "128,1024,4096,16384,32768",
+                  tokens: Annotated[int, typer.Option(help="tokens streamed per measurement")] = 64,
+                  in_process: Annotated[bool, typer.Option(help="also time the same checkpoints without HTTP")] = True,
+                  hf: Annotated[bool, typer.Option(help="add transformers' Mamba generate as a peer if installed")] = True,
+                  threads: Annotated[int, typer.Option(help="torch threads for the in-process runs")] = 1,
+                  weights: Annotated[Optional[str], typer.Option(help="checkpoint dir for in-process runs")] = None,
+                  out: str = "benchmarks/results/latency"):
+    """Per-token latency over SSE vs context length, per model, against the KV-cache baseline."""
+    from .bench_latency import run
+    run(url, models.split(","), [int(x) for x in contexts.split(",")], tokens, in_process, hf, threads, out, weights)
+
+
+@app.command()
+def loadtest(url: Annotated[str, URL] = "http://127.0.0.1:8000",
+             concurrency: Annotated[str, typer.Option(help="comma-separated levels")] = "1,8,64,256",
+             duration: Annotated[float, typer.Option(help="seconds per level")] = 20.0,
+             max_tokens: int = 64, model: Optional[str] = None,
+             prompt: str = "ROMEO:\nBut soft, what light through yonder window breaks?\n",
+             out: str = "benchmarks/results/loadtest"):
+    """C concurrent streaming sessions per level for a fixed duration; stops by itself."""
+    from .loadtest import run
+    run(url, [int(x) for x in concurrency.split(",")], duration, max_tokens, model, prompt, out)

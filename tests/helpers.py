@@ -41,7 +41,7 @@ class ServerProcess:
     def __init__(self, models: list[str], env: dict | None = None, *extra: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "clients.cli", "serve", "--port", str(self.port), "--threads", "1",
+        args = [sys.executable, "-m", "clients", "serve", "--port", str(self.port), "--threads", "1",
                 "--log-level", "warning", *extra]
         for m in models:
             args += ["--model", m]

@@ -1,0 +1,4 @@
+"""`python -m clients` == `linstream`."""
+from .cli import main
+
+main()

@@ -1,0 +1,146 @@
+"""`linstream bench latency`: per-token latency and state bytes vs context length, per model.
+
+Over HTTP: push N random tokens into a fresh session, stream M tokens, and time the gaps
+between token events as the client receives them. In-process: the same checkpoints stepped
+directly (no HTTP), so the server's overhead shows as a ratio. Writes JSON and a PNG.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .sdk import Client
+from .stats import pct
+
+
+def over_http(c: Client, model: str, n: int, m: int, vocab: int) -> dict:
+    rng = random.Random(n)
+    s = c.create_session(tokens=[rng.randrange(vocab) for _ in range(n)], model=model)
+    stamps, t0 = [], time.perf_counter()
+    stream = c.generate(s["id"], max_tokens=m, temperature=0)
+    for _ in stream:
+        stamps.append(time.perf_counter())
+    state_bytes = c.get_session(s["id"])["state_bytes"]
+    c.delete(s["id"])
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"ms_median": 1000 * statistics.median(gaps), "ms_p99": 1000 * pct(gaps, 0.99),
+            "ttft_ms": 1000 * (stamps[0] - t0), "state_bytes": s["state_bytes"], "state_bytes_after": state_bytes,
+            "server_per_token_ms": stream.done.timings["per_token_ms"]}
+
+
+def in_process(weights: Path, model_name: str, n: int, m: int) -> dict:
+    from model.bench import state_at, time_steps
+    from model.lm import LM
+    if model_name not in _cache:
+        _cache[model_name] = LM.load(weights / model_name)
+    lm = _cache[model_name]
+    ts = time_steps(lm, state_at(lm, n), m)
+    return {"ms_median": 1000 * statistics.median(ts), "ms_p99": 1000 * pct(ts, 0.99)}
+
+
+_cache: dict = {}
+
+
+def hf_mamba(m: int, n: int = 128) -> dict | None:
+    """transformers' MambaForCausalLM of the default shape, random weights, greedy generate."""
+    try:
+        from transformers import MambaConfig, MambaForCausalLM
+    except ImportError:
+        return None
+    cfg = MambaConfig(vocab_size=2048, hidden_size=256, state_size=8, num_hidden_layers=4, expand=2,
+                      conv_kernel=4, time_step_rank=16, use_cache=True)
+    lm = MambaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 2048, (1, n))
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        lm.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+        t0 = time.perf_counter()
+        lm.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        one = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        lm.generate(ids, max_new_tokens=m + 1, min_new_tokens=m + 1, **kw)
+        full = time.perf_counter() - t0
+    return {"context": n, "ms_per_token": 1000 * (full - one) / m, "parameters": sum(p.numel() for p in lm.parameters())}
+
+
+def run(url, models, contexts, m, do_in_process, do_hf, threads, out, weights=None):
+    from model.bench import WEIGHTS
+    weights = Path(weights) if weights else WEIGHTS
+    torch.set_num_threads(threads)
+    c = Client(url, timeout=600)
+    served = {x["id"]: x for x in c.models()}
+    missing = [x for x in models if x not in served]
+    if missing:
+        raise SystemExit(f"models not served by {url}: {missing}")
+    res = {"url": url, "tokens_per_measurement": m, "machine": {"cpu": platform.machine(), "client_threads": threads},
+           "models": {}}
+    work = [(x, n) for x in models for n in contexts]
+    for x, n in tqdm(work, desc="latency", unit="point"):
+        row = {"context": n, "http": over_http(c, x, n, m, 2048)}
+        if do_in_process:
+            row["in_process"] = in_process(weights, x, n, m)
+            row["http_over_in_process"] = row["http"]["ms_median"] / row["in_process"]["ms_median"]
+        res["models"].setdefault(x, []).append(row)
+        tqdm.write(f"{x:8s} N={n:6d}: SSE {row['http']['ms_median']:.3f} ms/token (p99 {row['http']['ms_p99']:.3f})"
+                   + (f", in-process {row['in_process']['ms_median']:.3f} ms" if do_in_process else "")
+                   + f", state {row['http']['state_bytes']:,} B")
+    if do_hf:
+        res["hf_transformers_mamba"] = hf_mamba(m)
+        if res["hf_transformers_mamba"]:
+            tqdm.write(f"transformers Mamba generate: {res['hf_transformers_mamba']['ms_per_token']:.3f} ms/token")
+    res["summary"] = summarise(res)
+    for k, v in res["summary"].items():
+        print(f"{k}: {v:.3f}")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out + ".json").write_text(json.dumps(res, indent=2) + "\n")
+    plot(res, out + ".png")
+    print(f"wrote {out}.json and {out}.png")
+
+
+def summarise(res) -> dict:
+    s, mods = {}, res["models"]
+    if "linear" in mods:
+        lin = {r["context"]: r for r in mods["linear"]}
+        lo, hi = min(lin), max(lin)
+        s["linear_sse_ms_last_over_first"] = lin[hi]["http"]["ms_median"] / lin[lo]["http"]["ms_median"]
+        if "in_process" in lin[lo]:
+            s[f"linear_sse_over_in_process_at_{lo}"] = lin[lo]["http_over_in_process"]
+        if "softmax" in mods:
+            sm = {r["context"]: r for r in mods["softmax"]}
+            if hi in sm:
+                s[f"softmax_over_linear_sse_at_{hi}"] = sm[hi]["http"]["ms_median"] / lin[hi]["http"]["ms_median"]
+    return s
+
+
+def plot(res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, rows in res["models"].items():
+        ns = [r["context"] for r in rows]
+        line, = a.plot(ns, [r["http"]["ms_median"] for r in rows], "o-", label=f"{name} (SSE)")
+        if "in_process" in rows[0]:
+            a.plot(ns, [r["in_process"]["ms_median"] for r in rows], "x--", color=line.get_color(),
+                   label=f"{name} (in-process)")
+        b.plot(ns, [r["http"]["state_bytes"] for r in rows], "o-", color=line.get_color(), label=name)
+    hf = res.get("hf_transformers_mamba")
+    if hf:
+        a.axhline(hf["ms_per_token"], color="gray", ls=":", label="transformers Mamba generate")
+    for ax, title, yl in ((a, "Per-token latency (median)", "ms / token"), (b, "State per session", "bytes")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(yl)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,286 @@
+"""Python SDK for linstream, sync (`Client`) and async (`AsyncClient`), on httpx + httpx-sse.
+
+    from clients.sdk import Client
+    c = Client()                                  # LINSTREAM_URL, LINSTREAM_API_KEY, LINSTREAM_TIMEOUT
+    s = c.create_session(prompt="ROMEO:\\n")
+    stream = c.generate(s["id"], max_tokens=50)
+    for ev in stream:
+        print(ev.text, end="", flush=True)
+    print(stream.done.timings)
+
+Server errors raise `LinstreamError` subclasses carrying the server's type and message.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from httpx_sse import aconnect_sse, connect_sse
+
+
+class LinstreamError(Exception):
+    def __init__(self, status: int, type: str, message: str):
+        super().__init__(f"{status} {type}: {message}")
+        self.status, self.type, self.message = status, type, message
+
+
+class InvalidRequest(LinstreamError): ...          # 400, 415, 422
+class SnapshotRejected(InvalidRequest): ...        # 400 for a bad state blob
+class NotFound(LinstreamError): ...                # 404
+class SessionBusy(LinstreamError): ...             # 409
+class TooLarge(LinstreamError): ...                # 413
+class Unauthorized(LinstreamError): ...            # 401
+class AtCapacity(LinstreamError): ...              # 503 (see retry_after)
+
+
+def _raise(r: httpx.Response) -> None:
+    if r.status_code < 400:
+        return
+    try:
+        err = r.json()["error"]
+        etype, msg = err["type"], err["message"]
+    except Exception:
+        etype, msg = "http_error", r.text[:200]
+    cls = {404: NotFound, 409: SessionBusy, 413: TooLarge, 401: Unauthorized, 503: AtCapacity}.get(r.status_code)
+    if cls is None:
+        cls = SnapshotRejected if etype.startswith(("snapshot", "corrupt")) else (
+            InvalidRequest if r.status_code < 500 else LinstreamError)
+    e = cls(r.status_code, etype, msg)
+    e.retry_after = r.headers.get("retry-after")
+    raise e
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    text: str
+    position: int
+    logprobs: Any = None
+
+
+@dataclass
+class Done:
+    finish_reason: str
+    usage: dict
+    timings: dict
+
+
+def _sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs) -> dict:
+    body = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+    for k, v in (("seed", seed), ("stop", stop), ("logprobs", logprobs)):
+        if v is not None:
+            body[k] = v
+    return body
+
+
+def _event(kind: str, data: str):
+    d = json.loads(data)
+    if kind == "token":
+        return TokenEvent(d["token"], d["text"], d["position"], d.get("logprobs"))
+    return Done(d["finish_reason"], d["usage"], d["timings"])
+
+
+@dataclass
+class _Conf:
+    base_url: str
+    headers: dict = field(default_factory=dict)
+    timeout: float = 60.0
+
+    @classmethod
+    def make(cls, base_url, api_key, timeout):
+        url = base_url or os.environ.get("LINSTREAM_URL", "http://127.0.0.1:8000")
+        key = api_key or os.environ.get("LINSTREAM_API_KEY")
+        t = timeout or float(os.environ.get("LINSTREAM_TIMEOUT", "60"))
+        return cls(url.rstrip("/"), {"Authorization": f"Bearer {key}"} if key else {}, t)
+
+
+class GenerationStream:
+    """Iterate for TokenEvents; `.done` holds the final Done once the stream ends."""
+
+    def __init__(self, it):
+        self._it, self.done = it, None
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        for ev in self._it:
+            if isinstance(ev, Done):
+                self.done = ev
+            else:
+                yield ev
+
+
+class Client:
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, timeout: float | None = None):
+        conf = _Conf.make(base_url, api_key, timeout)
+        self.http = httpx.Client(base_url=conf.base_url, headers=conf.headers, timeout=conf.timeout)
+
+    def close(self):
+        self.http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.close()
+
+    def _req(self, method, path, **kw) -> httpx.Response:
+        r = self.http.request(method, path, **kw)
+        _raise(r)
+        return r
+
+    # sessions
+    def create_session(self, prompt: str | None = None, tokens: list[int] | None = None, model: str | None = None) -> dict:
+        body = {k: v for k, v in (("prompt", prompt), ("tokens", tokens), ("model", model)) if v is not None}
+        return self._req("POST", "/v1/sessions", json=body).json()
+
+    def get_session(self, sid: str) -> dict:
+        return self._req("GET", f"/v1/sessions/{sid}").json()
+
+    def list_sessions(self) -> list[dict]:
+        return self._req("GET", "/v1/sessions").json()["data"]
+
+    def history(self, sid: str) -> dict:
+        return self._req("GET", f"/v1/sessions/{sid}/history").json()
+
+    def push(self, sid: str, text: str | None = None, tokens: list[int] | None = None) -> dict:
+        body = {"text": text} if text is not None else {"tokens": tokens or []}
+        return self._req("POST", f"/v1/sessions/{sid}/push", json=body).json()
+
+    def generate(self, sid: str, max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, stop: list[str] | None = None, logprobs: int | None = None) -> GenerationStream:
+        body = {**_sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs), "stream": True}
+
+        def it():
+            with connect_sse(self.http, "POST", f"/v1/sessions/{sid}/generate", json=body) as es:
+                if es.response.status_code >= 400:
+                    es.response.read()
+                    _raise(es.response)
+                for e in es.iter_sse():
+                    if e.data == "[DONE]":
+                        return
+                    yield _event(e.event, e.data)
+        return GenerationStream(it())
+
+    def generate_text(self, sid: str, max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
+                      top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
+                      logprobs: int | None = None) -> dict:
+        body = {**_sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs), "stream": False}
+        return self._req("POST", f"/v1/sessions/{sid}/generate", json=body).json()
+
+    def snapshot(self, sid: str) -> dict:
+        return self._req("POST", f"/v1/sessions/{sid}/snapshot").json()
+
+    def state(self, sid: str) -> bytes:
+        return self._req("GET", f"/v1/sessions/{sid}/state").content
+
+    def restore(self, snapshot_id: str | None = None, blob: bytes | None = None, model: str | None = None) -> dict:
+        if blob is not None:
+            return self._req("POST", "/v1/sessions/restore", content=blob, params={"model": model} if model else None,
+                             headers={"content-type": "application/octet-stream"}).json()
+        return self._req("POST", "/v1/sessions/restore", json={"snapshot_id": snapshot_id}).json()
+
+    def fork(self, sid: str) -> dict:
+        return self._req("POST", f"/v1/sessions/{sid}/fork").json()
+
+    def delete(self, sid: str) -> None:
+        self._req("DELETE", f"/v1/sessions/{sid}")
+
+    # OpenAI-compatible and system
+    def completions(self, **body) -> dict:
+        return self._req("POST", "/v1/completions", json=body).json()
+
+    def chat(self, **body) -> dict:
+        return self._req("POST", "/v1/chat/completions", json=body).json()
+
+    def models(self) -> list[dict]:
+        return self._req("GET", "/v1/models").json()["data"]
+
+    def health(self) -> dict:
+        return self._req("GET", "/healthz").json()
+
+    def metrics(self) -> str:
+        return self._req("GET", "/metrics").text
+
+
+class AsyncClient:
+    """The same API with `await`; `generate` is an async iterator of TokenEvent and finally Done."""
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, timeout: float | None = None,
+                 limits: httpx.Limits | None = None):
+        conf = _Conf.make(base_url, api_key, timeout)
+        self.http = httpx.AsyncClient(base_url=conf.base_url, headers=conf.headers, timeout=conf.timeout,
+                                      limits=limits or httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
+
+    async def aclose(self):
+        await self.http.aclose()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *a):
+        await self.aclose()
+
+    async def _req(self, method, path, **kw) -> httpx.Response:
+        r = await self.http.request(method, path, **kw)
+        _raise(r)
+        return r
+
+    async def create_session(self, prompt=None, tokens=None, model=None) -> dict:
+        body = {k: v for k, v in (("prompt", prompt), ("tokens", tokens), ("model", model)) if v is not None}
+        return (await self._req("POST", "/v1/sessions", json=body)).json()
+
+    async def get_session(self, sid) -> dict:
+        return (await self._req("GET", f"/v1/sessions/{sid}")).json()
+
+    async def history(self, sid) -> dict:
+        return (await self._req("GET", f"/v1/sessions/{sid}/history")).json()
+
+    async def push(self, sid, text=None, tokens=None) -> dict:
+        body = {"text": text} if text is not None else {"tokens": tokens or []}
+        return (await self._req("POST", f"/v1/sessions/{sid}/push", json=body)).json()
+
+    async def generate(self, sid, max_tokens=64, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop=None,
+                       logprobs=None) -> AsyncIterator[TokenEvent | Done]:
+        body = {**_sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs), "stream": True}
+        async with aconnect_sse(self.http, "POST", f"/v1/sessions/{sid}/generate", json=body) as es:
+            if es.response.status_code >= 400:
+                await es.response.aread()
+                _raise(es.response)
+            async for e in es.aiter_sse():
+                if e.data == "[DONE]":
+                    return
+                yield _event(e.event, e.data)
+
+    async def snapshot(self, sid) -> dict:
+        return (await self._req("POST", f"/v1/sessions/{sid}/snapshot")).json()
+
+    async def state(self, sid) -> bytes:
+        return (await self._req("GET", f"/v1/sessions/{sid}/state")).content
+
+    async def restore(self, snapshot_id=None, blob=None, model=None) -> dict:
+        if blob is not None:
+            return (await self._req("POST", "/v1/sessions/restore", content=blob,
+                                    params={"model": model} if model else None,
+                                    headers={"content-type": "application/octet-stream"})).json()
+        return (await self._req("POST", "/v1/sessions/restore", json={"snapshot_id": snapshot_id})).json()
+
+    async def fork(self, sid) -> dict:
+        return (await self._req("POST", f"/v1/sessions/{sid}/fork")).json()
+
+    async def delete(self, sid) -> None:
+        await self._req("DELETE", f"/v1/sessions/{sid}")
+
+    async def completions(self, **body) -> dict:
+        return (await self._req("POST", "/v1/completions", json=body)).json()
+
+    async def chat(self, **body) -> dict:
+        return (await self._req("POST", "/v1/chat/completions", json=body)).json()
+
+    async def models(self) -> list[dict]:
+        return (await self._req("GET", "/v1/models")).json()["data"]
+
+    async def metrics(self) -> str:
+        return (await self._req("GET", "/metrics")).text

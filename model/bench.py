@@ -1,0 +1,140 @@
+"""In-process benchmark of the shipped models (no HTTP): decode latency vs position, prefill
+throughput, state bytes. Prints a table and writes JSON.
+
+    python -m model.bench --models linear softmax mamba --positions 128 1024 4096 16384 32768 \\
+        --out benchmarks/results/model_bench.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .generate import decode, prefill
+from .lm import LM
+from .state import State
+
+WEIGHTS = Path(__file__).parent / "weights"
+
+
+def state_at(model: LM, position: int, seed: int = 0) -> State:
+    """A real state at `position`: the chunked form run over random tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.cfg.vocab_size, (position,), generator=g)
+    return prefill(model, ids, model.init_state(1))
+
+
+def time_steps(model: LM, state: State, steps: int, warmup: int = 5) -> list[float]:
+    """Seconds per decode step. Works on a copy: decode writes KV caches in place."""
+    state = state.clone()
+    tok = torch.zeros(state.batch, dtype=torch.long)
+    out = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        _, state = decode(model, tok, state)
+        if i >= warmup:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def batched(model: LM, one: State, batch: int) -> State:
+    pool = model.init_state(batch)
+    pool.assign(list(range(batch)), State([{n: t.expand(batch, *t.shape[1:]) for n, t in l.items()} for l in one.layers],
+                                          one.position.expand(batch), one.time_dims, one.next_logits.expand(batch, -1)))
+    return pool
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def bench_model(name: str, model: LM, positions: list[int], batches: list[int], steps: int,
+                kv_batch_limit_bytes: int, prefill_len: int) -> dict:
+    res = {"model": name, "parameters": model.num_params(), "mixers": list(model.cfg.layer_mixers), "decode": []}
+    for p in positions:
+        one = state_at(model, p)
+        for b in batches:
+            row = {"position": p, "batch": b, "state_bytes_per_session": one.row_nbytes()}
+            if one.row_nbytes() * b > kv_batch_limit_bytes:
+                row["skipped"] = f"{b} sessions x {one.row_nbytes() / 2**20:.0f} MiB exceed the memory limit"
+            else:
+                ts = time_steps(model, one if b == 1 else batched(model, one, b), steps)
+                row |= {"ms_median": 1000 * statistics.median(ts), "ms_p99": 1000 * pct(ts, 0.99),
+                        "tokens_per_s": b / statistics.median(ts)}
+            res["decode"].append(row)
+            print(f"  {name:8s} pos {p:6d} batch {b:3d}: " + (
+                row.get("skipped") or f"{row['ms_median']:.3f} ms/step (p99 {row['ms_p99']:.3f}), "
+                                      f"{row['state_bytes_per_session']:,} B/session"), flush=True)
+    ids = torch.randint(0, model.cfg.vocab_size, (prefill_len,))
+    t0 = time.perf_counter()
+    prefill(model, ids, model.init_state(1))
+    chunked = time.perf_counter() - t0
+    s = model.init_state(1)
+    t0 = time.perf_counter()
+    for t in ids:
+        _, s = decode(model, t.view(1), s)
+    loop = time.perf_counter() - t0
+    res["prefill"] = {"tokens": prefill_len, "chunked_tokens_per_s": prefill_len / chunked,
+                      "token_by_token_tokens_per_s": prefill_len / loop, "speedup": loop / chunked}
+    print(f"  {name:8s} prefill {prefill_len}: chunked {prefill_len / chunked:,.0f} tok/s, "
+          f"token-by-token {prefill_len / loop:,.0f} tok/s ({loop / chunked:.1f}x)", flush=True)
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["linear", "softmax", "mamba"])
+    ap.add_argument("--positions", nargs="+", type=int, default=[128, 1024, 4096, 16384, 32768])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 64])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mem-limit-gib", type=float, default=6.0, help="skip batches whose states exceed this")
+    ap.add_argument("--out", default="benchmarks/results/model_bench.json")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    torch.set_grad_enabled(False)
+    results = []
+    for name in a.models:
+        path = Path(name) if Path(name).is_dir() else WEIGHTS / name
+        results.append(bench_model(path.name, LM.load(path), a.positions, a.batches, a.steps,
+                                   int(a.mem_limit_gib * 2**30), a.prefill))
+    summary = _summary(results)
+    for line in summary["lines"]:
+        print(line)
+    out = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
+                       "torch": torch.__version__}, "results": results, "summary": summary["figures"]}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {a.out}")
+
+
+def _summary(results: list[dict]) -> dict:
+    by = {r["model"]: {(d["position"], d["batch"]): d for d in r["decode"]} for r in results}
+    lines, fig = [], {}
+    ps = sorted({p for r in by.values() for p, _ in r})
+    if "linear" in by and len(ps) > 1:
+        lo, hi = by["linear"][(ps[0], 1)], by["linear"][(ps[-1], 1)]
+        fig["linear_latency_ratio_last_vs_first"] = hi["ms_median"] / lo["ms_median"]
+        fig["linear_state_bytes"] = lo["state_bytes_per_session"]
+        lines.append(f"linear: {hi['ms_median']:.3f} ms at {ps[-1]} vs {lo['ms_median']:.3f} ms at {ps[0]} "
+                     f"({fig['linear_latency_ratio_last_vs_first']:.3f}x)")
+        if "softmax" in by:
+            s = by["softmax"][(ps[-1], 1)]
+            fig["softmax_over_linear_latency_at_last"] = s["ms_median"] / hi["ms_median"]
+            fig["kv_bytes_over_linear_state_at_last"] = s["state_bytes_per_session"] / hi["state_bytes_per_session"]
+            lines.append(f"softmax/linear at {ps[-1]}: latency {fig['softmax_over_linear_latency_at_last']:.1f}x, "
+                         f"state bytes {fig['kv_bytes_over_linear_state_at_last']:,.0f}x")
+    for r in results:
+        fig[f"{r['model']}_prefill_speedup"] = r["prefill"]["speedup"]
+    return {"lines": lines, "figures": fig}
+
+
+if __name__ == "__main__":
+    main()

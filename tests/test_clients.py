@@ -1,0 +1,101 @@
+"""SDK and CLI against a real server process: generate, chat save/load, a tiny latency bench
+and a tiny load test whose JSON must hold sane, non-zero figures."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from clients.sdk import AtCapacity, Client, NotFound, SessionBusy, SnapshotRejected
+
+from .helpers import ROOT, ServerProcess, make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt")
+    for p in ("tiny-linear", "tiny-softmax"):
+        make_checkpoint(d, p)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(ckpts):
+    srv = ServerProcess([str(ckpts / "linear"), str(ckpts / "softmax")])
+    yield srv
+    srv.stop()
+
+
+def cli(*args, input=None, env=None):
+    return subprocess.run([sys.executable, "-m", "clients", *args], cwd=ROOT, input=input, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def test_sdk_covers_the_session_api(server):
+    with Client(server.url) as c:
+        s = c.create_session(prompt="KING:\n")
+        c.push(s["id"], text="Speak")
+        stream = c.generate(s["id"], max_tokens=5, seed=1)
+        evs = list(stream)
+        assert len(evs) == 5 and stream.done.usage["completion_tokens"] == 5
+        snap = c.snapshot(s["id"])
+        blob = c.state(s["id"])
+        a = c.restore(snapshot_id=snap["snapshot_id"])
+        b = c.restore(blob=blob)
+        f = c.fork(s["id"])
+        outs = [c.generate_text(x, max_tokens=6, temperature=0)["tokens"] for x in (s["id"], a["id"], b["id"], f["id"])]
+        assert all(o == outs[0] for o in outs)
+        assert c.history(s["id"])["position"] == c.get_session(s["id"])["position"]
+        assert c.completions(prompt="A", max_tokens=2)["choices"][0]["finish_reason"] == "length"
+        assert {m["id"] for m in c.models()} == {"linear", "softmax"}
+        with pytest.raises(SnapshotRejected):
+            c.restore(blob=b"nonsense")
+        for x in (s["id"], a["id"], b["id"], f["id"]):
+            c.delete(x)
+        with pytest.raises(NotFound) as e:
+            c.get_session(s["id"])
+        assert "not found" in e.value.message
+        assert SessionBusy and AtCapacity  # exported for callers
+
+
+def test_cli_generate_streams(server):
+    r = cli("generate", "ROMEO:", "--url", server.url, "--max-tokens", "8", "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ROMEO:") and "8 tokens" in r.stderr
+
+
+def test_cli_chat_save_and_load(server, tmp_path):
+    snap = tmp_path / "s.safetensors"
+    script = f"Good morrow\n/save {snap}\n/history\n/load {snap}\n/history\n/quit\n"
+    r = cli("chat", "--url", server.url, "--max-tokens", "5", input=script)
+    assert r.returncode == 0, r.stderr
+    assert snap.stat().st_size > 0 and f"loaded {snap}" in r.stdout
+    assert r.stdout.count("Good morrow") >= 2  # history before the save and after the load
+
+
+def test_cli_bench_latency_tiny(server, ckpts, tmp_path):
+    out = tmp_path / "lat"
+    r = cli("bench", "latency", "--url", server.url, "--models", "linear,softmax", "--contexts", "16,64",
+            "--tokens", "6", "--weights", str(ckpts), "--no-hf", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.with_suffix(".json").read_text())
+    for rows in res["models"].values():
+        assert [x["context"] for x in rows] == [16, 64]
+        for x in rows:
+            assert x["http"]["ms_median"] > 0 and x["in_process"]["ms_median"] > 0 and x["http"]["state_bytes"] > 0
+    assert res["summary"]["softmax_over_linear_sse_at_64"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_cli_loadtest_tiny(server, tmp_path):
+    out = tmp_path / "load"
+    r = cli("loadtest", "--url", server.url, "--concurrency", "1,4", "--duration", "1.5", "--max-tokens", "8",
+            "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert [x["concurrency"] for x in res["levels"]] == [1, 4]
+    for x in res["levels"]:
+        assert x["tokens"] > 0 and x["tokens_per_s"] > 0 and x["errors"] == {}
+        assert x["itl_ms"]["p50"] > 0 and x["ttft_ms"]["p99"] >= x["ttft_ms"]["p50"] > 0
+        assert x["server_rss_bytes"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
