@@ -104,11 +104,8 @@ class Runtime:
         eng = self.engine(model)
         ids = self.tokens_of(eng, text, tokens)
         s = self.sessions.add(Session(new_id("sess"), eng.name, await self._alloc(eng)))
-        s.busy = True
-        try:
+        with self.sessions.hold(s.id):
             await self.push(s, ids)
-        finally:
-            s.busy = False
         return s
 
     async def push(self, s: Session, ids: list[int], logprobs: int | None = None):

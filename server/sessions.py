@@ -59,16 +59,23 @@ class Sessions:
         return self.by_id.pop(id)
 
     @contextmanager
-    def hold(self, id: str):
-        """Exclusive use of a session for one request; a second one gets 409 at once."""
+    def hold(self, id: str, release: bool = True):
+        """Exclusive use of a session for one request; a second one gets 409 at once.
+        release=False hands the release to whoever finishes the work (a generation's engine
+        job), except when the block itself fails."""
         s = self.get(id)
         if s.busy:
             raise APIError(409, "session_busy", f"session {id!r} is serving another request; retry when it ends")
         s.busy = True
         try:
             yield s
+        except BaseException:
+            s.busy = False
+            raise
         finally:
             s.last_used_at = time.time()
+        if release:
+            s.busy = False
 
     def add_snapshot(self, snap: Snapshot) -> Snapshot:
         self.snapshots[snap.id] = snap

@@ -15,7 +15,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from ..errors import APIError
 from ..schemas import Sampling
-from ..streaming import events
+from ..streaming import collect, events
 from .deps import RT
 from .sessions import sampling_params
 
@@ -68,20 +68,19 @@ async def _run(rt, req, text: str | list[int], echo_logprobs: int | None, logpro
     eng = rt.engines[s.model]
     params = sampling_params(req, rt)
     ids = rt.tokens_of(eng, text, None) if isinstance(text, str) else rt.tokens_of(eng, None, text)
-    with rt.sessions.hold(s.id):
-        try:
+    try:
+        with rt.sessions.hold(s.id, release=False):
             start = s.position
             _, pre = await rt.push(s, ids, echo_logprobs)
             echo = None
-            if pre is not None and echo_logprobs is not None:
+            if pre is not None and echo_logprobs is not None:  # the very first token has no context
                 echo = [(t, None if start == 0 and i == 0 else lp, None if start == 0 and i == 0 else top)
                         for i, (t, (lp, top)) in enumerate(zip(ids, pre.results))]
             job = rt.generate(s, params, logprobs)
-        except Exception:
-            s.busy = False
-            if temp:
-                await rt.delete(s)
-            raise
+    except Exception:
+        if temp:
+            await rt.delete(s)
+        raise
     return s, eng, job, ids, echo, temp
 
 
@@ -131,22 +130,15 @@ async def completions(req: Completion, rt: RT):
                 await finish()
         return EventSourceResponse(gen(), ping=15)
 
-    toks, text, lps, done = [], [], [], None
     try:
-        async for kind, ev in events(job, eng, s):
-            if kind == "token":
-                toks.append(ev["token"])
-                text.append(ev["text"])
-                if "logprobs" in ev:
-                    lps.append((ev["token"], *ev["logprobs"]))
-            else:
-                done = ev
+        done = await collect(job, eng, s)
     finally:
         await finish()
     lp = None
     if want is not None:
+        lps = [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))]
         lp = _logprobs_obj(eng.tok, (echo or []) + lps)
-    return {**base, "choices": [{"index": 0, "text": prefix + "".join(text), "finish_reason": _finish(done["finish_reason"]),
+    return {**base, "choices": [{"index": 0, "text": prefix + done["text"], "finish_reason": _finish(done["finish_reason"]),
                                  "logprobs": lp}],
             "usage": done["usage"], **({"session_id": s.id} if not temp else {})}
 
@@ -182,17 +174,12 @@ async def chat(req: Chat, rt: RT):
                 await finish()
         return EventSourceResponse(gen(), ping=15)
 
-    text, done = [], None
     try:
-        async for kind, ev in events(job, eng, s):
-            if kind == "token":
-                text.append(ev["text"])
-            else:
-                done = ev
+        done = await collect(job, eng, s)
     finally:
         await finish()
     return {**base, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": done["text"]},
                          "finish_reason": _finish(done["finish_reason"])}],
             "usage": done["usage"], **({"session_id": s.id} if not temp else {})}
 

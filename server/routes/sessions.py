@@ -69,10 +69,7 @@ async def push(sid: str, req: Push, rt: RT):
     s = rt.sessions.get(sid)
     ids = rt.tokens_of(rt.engines[s.model], req.text, req.tokens)
     with rt.sessions.hold(sid):
-        try:
-            ms, _ = await rt.push(s, ids)
-        finally:
-            s.busy = False
+        ms, _ = await rt.push(s, ids)
     return {"position": s.position, "prefill_ms": round(ms, 3), "tokens": len(ids)}
 
 
@@ -81,12 +78,8 @@ async def generate(sid: str, req: Generate, rt: RT):
     s = rt.sessions.get(sid)
     params = sampling_params(req, rt)
     eng = rt.engines[s.model]
-    with rt.sessions.hold(sid):
-        try:
-            job = rt.generate(s, params, req.logprobs)
-        except Exception:
-            s.busy = False
-            raise
+    with rt.sessions.hold(sid, release=False):  # the engine releases it when the state is final
+        job = rt.generate(s, params, req.logprobs)
     if req.stream:
         return EventSourceResponse(sse(job, eng, s), ping=15)
     return await collect(job, eng, s)
@@ -95,20 +88,14 @@ async def generate(sid: str, req: Generate, rt: RT):
 @router.post("/{sid}/snapshot")
 async def snapshot(sid: str, rt: RT):
     with rt.sessions.hold(sid) as s:
-        try:
-            snap = await rt.snapshot(s)
-        finally:
-            s.busy = False
+        snap = await rt.snapshot(s)
     return {"snapshot_id": snap.id, "position": snap.position, "bytes": len(snap.blob), "model": snap.model}
 
 
 @router.get("/{sid}/state")
 async def state(sid: str, rt: RT):
     with rt.sessions.hold(sid) as s:
-        try:
-            blob = await rt.state_blob(s)
-        finally:
-            s.busy = False
+        blob = await rt.state_blob(s)
     return Response(blob, media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{sid}.safetensors"'})
 
@@ -116,10 +103,7 @@ async def state(sid: str, rt: RT):
 @router.post("/{sid}/fork", status_code=201)
 async def fork(sid: str, rt: RT):
     with rt.sessions.hold(sid) as s:
-        try:
-            child = await rt.fork(s)
-        finally:
-            s.busy = False
+        child = await rt.fork(s)
     return rt.describe(child)
 
 

@@ -1,0 +1,16 @@
+# linstream: serves the shipped default model on port 8000 (CPU torch; weights are in the image).
+FROM python:3.11-slim
+WORKDIR /app
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+# torch first, so the project's `torch>=2.4` is already met. For a small CPU-only image pass
+# --build-arg TORCH_INDEX=<a CPU wheel index>; without it pip takes its default build.
+ARG TORCH_INDEX=""
+RUN pip install ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} torch==2.13.0
+COPY pyproject.toml README.md ./
+COPY model ./model
+COPY server ./server
+COPY clients ./clients
+RUN pip install .
+EXPOSE 8000
+USER nobody
+CMD ["linstream", "serve", "--host", "0.0.0.0", "--port", "8000"]
