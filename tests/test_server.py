@@ -235,3 +235,27 @@ async def test_models_health_metrics(client):
                  "linstream_tokens_generated_total", "linstream_active_sessions", "linstream_state_bytes",
                  "linstream_queue_depth"):
         assert name in text
+
+
+async def test_long_prefill_does_not_freeze_other_streams(checkpoints):
+    """A long prompt is prefilled in chunks between decode steps: a stream started alongside it
+    finishes while the prompt is still being read."""
+    app = create_app(Settings(models=checkpoints[:1], prefill_chunk=16))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            s = await new(c)
+            order = []
+
+            async def long_push():
+                r = await c.post("/v1/sessions", json={"tokens": [7] * 3000})
+                order.append("prefill")
+                return r
+
+            async def stream():
+                await gen(c, s["id"], max_tokens=10)
+                order.append("stream")
+            push = asyncio.create_task(long_push())
+            await asyncio.sleep(0)
+            await stream()
+            assert (await push).status_code == 201
+    assert order == ["stream", "prefill"]
