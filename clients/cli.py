@@ -15,7 +15,8 @@ def root():
 
 @app.command()
 def serve(
-    model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="model name or checkpoint dir; repeat to serve several (first = default)")] = None,
+    model: Annotated[Optional[list[str]], typer.Option(
+        "--model", "-m", help="model name or checkpoint dir; repeat to serve several (first = default)")] = None,
     host: Annotated[Optional[str], typer.Option(help="bind address [env LINSTREAM_HOST]")] = None,
     port: Annotated[Optional[int], typer.Option(help="port [env LINSTREAM_PORT]")] = None,
     max_sessions: Annotated[Optional[int], typer.Option(help="sessions in memory per recurrent model")] = None,

@@ -31,7 +31,7 @@ def generate(prompt: str, url: Annotated[str, URL] = "http://127.0.0.1:8000",
             c.delete(s["id"])
         except LinstreamError as e:
             typer.echo(f"\nerror: {e}", err=True)
-            raise typer.Exit(1)
+            raise typer.Exit(1) from None
     t = stream.done.timings
     typer.echo(f"\n[{stream.done.usage['completion_tokens']} tokens, ttft {t['ttft_ms']} ms, "
                f"{t['per_token_ms']} ms/token]", err=True)

@@ -48,7 +48,6 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
 def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> Tensor:
     """One token per row. Greedy rows take the argmax; others invert the CDF at a uniform drawn
     from the row's generator. -> (B,) int64"""
-    B = logits.shape[0]
     greedy = logits.argmax(-1)
     if all(p.temperature == 0 for p in params):
         return greedy

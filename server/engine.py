@@ -285,7 +285,7 @@ def _logprob_entries(logits: torch.Tensor, tokens: list[int], top: int, tok: Tok
     lp = torch.log_softmax(logits.float(), -1)
     chosen = lp.gather(1, torch.tensor(tokens)[:, None])[:, 0]
     out = []
-    for i, t in enumerate(tokens):
+    for i in range(len(tokens)):
         alts = {}
         if top:
             v, ix = lp[i].topk(top)

@@ -34,6 +34,8 @@ class Runtime:
             torch.set_num_threads(settings.threads)
         for name in settings.models:
             path = settings.checkpoint(name)
+            if not (path / "config.json").is_file():
+                raise SystemExit(f"no checkpoint for model {name!r} at {path}")
             model, tok = LM.load(path), Tokenizer(path / "tokenizer.json")
             kv = any(b.mixer.time_dims for b in model.blocks)
             slots = settings.max_kv_sessions if kv else settings.max_sessions

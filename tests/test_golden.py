@@ -37,7 +37,7 @@ def test_shipped_checkpoint_metadata(shipped):
 
 def test_tokenizer_round_trips_any_utf8(shipped):
     _, tok = shipped
-    for text in ["", "plain ASCII", "Grüße, 世界! 🎭\u0000\t\r\n", "\udcff".encode("utf-8", "surrogatepass").decode("utf-8", "replace")]:
+    for text in ["", "plain ASCII", "Grüße, 世界! 🎭\u0000\t\r\n", "\ufffd replaced"]:
         assert tok.decode(tok.encode(text)) == text
 
 

@@ -2,8 +2,14 @@
 import pytest
 import torch
 
-from model.mixers.linear import (feature_map, linear_attn_chunked, linear_attn_naive, linear_attn_noncausal,
-                                 linear_attn_noncausal_recurrent, linear_attn_step)
+from model.mixers.linear import (
+    feature_map,
+    linear_attn_chunked,
+    linear_attn_naive,
+    linear_attn_noncausal,
+    linear_attn_noncausal_recurrent,
+    linear_attn_step,
+)
 from model.mixers.mamba import selective_scan, selective_scan_naive
 
 from .conftest import random_state

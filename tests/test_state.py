@@ -9,8 +9,14 @@ from safetensors.torch import save as st_save
 from model.config import PRESETS
 from model.generate import decode, prefill
 from model.lm import LM
-from model.state import (State, SnapshotCorrupt, SnapshotModelMismatch, SnapshotNonFinite, SnapshotShapeMismatch,
-                         SnapshotVersionMismatch)
+from model.state import (
+    SnapshotCorrupt,
+    SnapshotModelMismatch,
+    SnapshotNonFinite,
+    SnapshotShapeMismatch,
+    SnapshotVersionMismatch,
+    State,
+)
 
 
 def greedy(model, state, n):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
 from model.sampling import SamplingParams
