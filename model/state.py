@@ -81,6 +81,14 @@ class State:
         return State([{n: pick(t) for n, t in layer.items()} for layer in self.layers],
                      pick(self.position), self.time_dims, pick(self.next_logits))
 
+    def copy_rows(self, rows: list[int], with_growing: bool = True) -> "State":
+        """A gathered copy of some rows. Without the growing (KV) tensors it is a cheap rollback
+        point: entries past a row's position are never read, so restoring the rest undoes a step."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.position.device)
+        return State([{n: t.index_select(0, idx) for n, t in layer.items() if with_growing or n not in self.time_dims[i]}
+                      for i, layer in enumerate(self.layers)],
+                     self.position.index_select(0, idx), self.time_dims, self.next_logits.index_select(0, idx))
+
     def assign(self, rows: list[int], other: "State") -> None:
         """Write `other` (len(rows) rows) into these rows, growing KV capacity when needed."""
         idx = torch.tensor(rows, dtype=torch.long, device=self.position.device)

@@ -8,9 +8,11 @@ States live in one preallocated slot pool (`State` batched over slots); a sessio
 Each loop iteration runs queued commands (alloc/free/snapshot/restore), at most one prefill chunk
 (so a long prompt never freezes other streams), then one batched decode step.
 
-History = what the client got: a sampled token is emitted but not consumed by the state until the
-handler has yielded it to the response stream (`Job.yielded`). A stream cut short therefore leaves
-a state that covers exactly the tokens the client was sent; a token that never left is dropped.
+History = what the client got: the handler counts the events it has handed to the response
+(`Job.yielded`). The engine may consume an emitted token before it is handed over (`lookahead`,
+so the next step overlaps the send), but only one such token at a time, and it keeps a rollback
+point for it: if the stream is cut before that token left, the row is restored. The state then
+covers exactly the tokens the client was sent.
 """
 from __future__ import annotations
 
@@ -40,7 +42,9 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     emitted: int = 0
     yielded: int = 0  # advanced by the handler after each event has been handed to the response
+    consumed: int = 0  # tokens of this job the state has consumed
     pending: int | None = None  # last emitted token, not yet consumed by the state
+    saved: tuple | None = None  # (rows copy, index): the row before its last, undelivered, consumed token
     finish: str | None = None
     cancelled: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
@@ -72,12 +76,13 @@ class Prefill:
 
 class Engine:
     def __init__(self, name: str, model: LM, tok: Tokenizer, slots: int, prefill_chunk: int, max_batch: int,
-                 metrics=None):
+                 metrics=None, lookahead: bool = True):
         self.name, self.model, self.tok = name, model, tok
         self.pool: State = model.init_state(slots)
         self.empty = model.init_state(1)
         self.free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest slot: active rows stay contiguous
         self.prefill_chunk, self.max_batch, self.metrics = prefill_chunk, max_batch, metrics
+        self.lookahead = lookahead
         self.cmds: deque = deque()
         self.prefills: deque[Prefill] = deque()
         self.jobs: list[Job] = []
@@ -152,7 +157,13 @@ class Engine:
     # ---- the loop ------------------------------------------------------------------------
     def _ready(self) -> bool:
         return bool(self.cmds or self.prefills or any(
-            j.cancelled or j.pending is None or j.yielded >= j.emitted for j in self.jobs))
+            j.cancelled or j.pending is None or self._may_consume(j) for j in self.jobs))
+
+    def _may_consume(self, j: Job) -> bool:
+        """May the pending token enter the state now? Once delivered, yes. Before that only with
+        lookahead, never for a finished job (its last token must be delivered first), and only
+        when every token consumed earlier has been delivered (at most one to roll back)."""
+        return j.yielded >= j.emitted or (self.lookahead and not j.finish and j.yielded >= j.consumed)
 
     def _run(self):
         torch.set_grad_enabled(False)
@@ -196,15 +207,22 @@ class Engine:
     def _decode(self):
         first, step = [], []
         for j in list(self.jobs):
-            if j.cancelled and j.pending is not None and j.yielded < j.emitted:
-                j.pending = None  # never reached the client: not part of the session
-                self._finish(j)
+            if j.cancelled:
+                if j.yielded < j.consumed:  # consumed, never delivered: roll the row back
+                    saved, i = j.saved
+                    self.pool.assign([j.slot], saved.select([i]))
+                    j.consumed -= 1
+                if j.pending is not None and j.yielded >= j.emitted:
+                    step.append(j)  # delivered, not yet consumed: one last step
+                else:
+                    j.pending = None  # never reached the client: not part of the session
+                    self._finish(j)
             elif j.pending is None:  # a new job: its first token comes from the logits already held
-                if j.cancelled or j.params.max_tokens == 0:
+                if j.params.max_tokens == 0:
                     self._finish(j)
                 else:
                     first.append(j)
-            elif j.yielded >= j.emitted or j.cancelled:
+            elif self._may_consume(j):
                 step.append(j)
         step = step[: self.max_batch]
         if first:
@@ -216,6 +234,11 @@ class Engine:
             return
         step.sort(key=lambda j: j.slot)
         rows = [j.slot for j in step]
+        early = [j for j in step if j.yielded < j.emitted]  # consumed ahead of delivery
+        if early:
+            saved = self.pool.copy_rows([j.slot for j in early], with_growing=False)
+            for i, j in enumerate(early):
+                j.saved = (saved, i)
         st = self.pool.select(rows)
         t0 = time.perf_counter()
         logits, new = self.model.step(torch.tensor([j.pending for j in step]), st)
@@ -226,6 +249,7 @@ class Engine:
         go = []
         for j in step:
             j.pending = None
+            j.consumed += 1
             if j.finish or j.cancelled:
                 self._finish(j)
             else:

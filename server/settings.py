@@ -23,6 +23,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = 16 << 20  # request bodies (state blobs included)
     prefill_chunk: int = 512  # prefill advances this many tokens between two decode steps
     max_batch: int = 256  # sessions advanced by one decode step
+    lookahead: bool = True  # step a token while its event is being sent (rolled back if it never arrives)
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     snapshot_limit: int = 10000  # server-side snapshots kept (oldest dropped first)
 

@@ -1,0 +1,62 @@
+"""The engine on its own: a stream abandoned with tokens emitted but not delivered leaves the
+state of exactly the delivered history, with and without lookahead."""
+import asyncio
+
+import pytest
+import torch
+
+from model.config import PRESETS
+from model.generate import prefill
+from model.lm import LM
+from model.sampling import SamplingParams
+from server.engine import Engine, Job
+
+
+class Tok:  # the tiny models' 64 ids as single letters
+    token_bytes = [bytes([65 + i % 26]) for i in range(64)]
+
+    def decoder(self):
+        from model.tokenizer import IncrementalDecoder
+        return IncrementalDecoder(self)
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+@pytest.mark.parametrize("preset", ["tiny-linear", "tiny-softmax", "tiny-mamba"])
+@pytest.mark.parametrize("delivered", [0, 2, 3])
+def test_abandoned_stream_keeps_exactly_the_delivered_tokens(preset, lookahead, delivered):
+    torch.manual_seed(0)
+    model = LM(PRESETS[preset]).eval()
+    prompt = [1, 2, 3, 4, 5]
+
+    async def run():
+        eng = Engine("m", model, Tok(), slots=3, prefill_chunk=4, max_batch=8, lookahead=lookahead)
+        eng.start()
+        try:
+            slot = await eng.call(eng.alloc)
+            await eng.prefill(slot, prompt)
+            job = Job(slot, SamplingParams(max_tokens=50, temperature=0), asyncio.get_running_loop())
+            eng.submit(job)
+            got = []
+            for _ in range(delivered + 1):  # one more event arrives than the client takes
+                kind, ev = await asyncio.wait_for(job.events.get(), 10)
+                got.append(ev["token"])
+                if len(got) <= delivered:
+                    job.yielded += 1
+                    eng.wake()
+            await asyncio.sleep(0.05)  # let the engine run as far ahead as it is allowed to
+            assert job.emitted <= delivered + 1 + int(lookahead) and job.consumed <= delivered + int(lookahead)
+            job.cancelled = True
+            eng.wake()
+            while (await asyncio.wait_for(job.events.get(), 10))[0] != "done":
+                pass
+            return got[:delivered], await eng.call(lambda: eng.read(slot))
+        finally:
+            eng.stop()
+
+    sent, state = asyncio.run(run())
+    want = prefill(model, prompt + sent, model.init_state(1))
+    assert int(state.position[0]) == len(prompt) + len(sent)
+    torch.testing.assert_close(state.next_logits, want.next_logits, atol=2e-5, rtol=1e-4)
+    for a, b in zip(state.layers, want.layers):
+        for n in a:
+            torch.testing.assert_close(a[n], b[n], atol=2e-5, rtol=1e-4)
