@@ -17,6 +17,7 @@ covers exactly the tokens the client was sent.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -29,6 +30,8 @@ from model.lm import LM
 from model.sampling import SamplingParams, StopMatcher, sample
 from model.state import State
 from model.tokenizer import Tokenizer
+
+log = logging.getLogger("linstream.engine")
 
 
 @dataclass
@@ -183,7 +186,13 @@ class Engine:
                 loop.call_soon_threadsafe(_settle, fut, res, err)
             if self.prefills:
                 self._prefill_chunk(self.prefills[0])
-            self._decode()
+            try:
+                self._decode()
+            except Exception:  # a bug, not a client's fault: end the streams, keep serving
+                log.exception("decode step failed; ending %d streams", len(self.jobs))
+                for j in list(self.jobs):
+                    j.finish = "error"
+                    self._finish(j)
 
     def _prefill_chunk(self, job: Prefill):
         try:
@@ -246,16 +255,16 @@ class Engine:
         if self.metrics:
             self.metrics.step_seconds.labels(self.name).observe(time.perf_counter() - t0)
             self.metrics.batch_size.labels(self.name).observe(len(step))
-        go = []
-        for j in step:
+        go, idx = [], []
+        for i, j in enumerate(step):
             j.pending = None
             j.consumed += 1
             if j.finish or j.cancelled:
                 self._finish(j)
             else:
                 go.append(j)
+                idx.append(i)
         if go:
-            idx = [rows.index(j.slot) for j in go]
             self._emit(go, logits[idx])
 
     def _emit(self, jobs: list[Job], logits: torch.Tensor):
