@@ -17,6 +17,7 @@ from model.sampling import SamplingParams
 from model.state import SnapshotCorrupt, SnapshotModelMismatch, State
 from model.tokenizer import Tokenizer
 
+from .auth import Keys, load_keys
 from .engine import Engine, Job
 from .errors import APIError
 from .metrics import Metrics
@@ -30,6 +31,7 @@ class Runtime:
         self.metrics = Metrics()
         self.sessions = Sessions(settings.snapshot_limit)
         self.engines: dict[str, Engine] = {}
+        self.keys = Keys(load_keys(settings.api_keys, settings.api_key_file))
         if settings.threads:
             torch.set_num_threads(settings.threads)
         for name in settings.models:
@@ -102,11 +104,11 @@ class Runtime:
             raise APIError(503, "at_capacity", f"model {eng.name!r} holds its maximum of sessions; "
                            "delete one or retry later", headers={"Retry-After": "1"}) from None
 
-    async def create(self, model: str | None, text: str | None, tokens: list[int] | None) -> Session:
+    async def create(self, model: str | None, text: str | None, tokens: list[int] | None, owner: str = "") -> Session:
         eng = self.engine(model)
         ids = self.tokens_of(eng, text, tokens)
-        s = self.sessions.add(Session(new_id("sess"), eng.name, await self._alloc(eng)))
-        with self.sessions.hold(s.id):
+        s = self.sessions.add(Session(new_id("sess"), eng.name, await self._alloc(eng), owner))
+        with self.sessions.hold(s.id, owner):
             await self.push(s, ids)
         return s
 
@@ -142,9 +144,9 @@ class Runtime:
 
     async def snapshot(self, s: Session) -> Snapshot:
         blob = await self.state_blob(s)
-        return self.sessions.add_snapshot(Snapshot(new_id("snap"), s.model, blob, s.position))
+        return self.sessions.add_snapshot(Snapshot(new_id("snap"), s.model, blob, s.position, s.owner))
 
-    async def restore(self, blob: bytes, model: str | None = None) -> Session:
+    async def restore(self, blob: bytes, model: str | None = None, owner: str = "") -> Session:
         eng = self.engine(model) if model else self._engine_for_blob(blob)
         state, extra = await asyncio.to_thread(State.from_bytes_with_extra, blob, eng.empty, eng.model.fingerprint)
         pos = int(state.position[0])
@@ -155,7 +157,7 @@ class Runtime:
                 or int(start[0]) + len(tokens) != pos or int(start[0]) < 0
                 or (len(tokens) and not bool(((tokens >= 0) & (tokens < eng.model.cfg.vocab_size)).all()))):
             raise SnapshotCorrupt("the blob's history does not match its position or vocabulary")
-        s = Session(new_id("sess"), eng.name, await self._alloc(eng, state), tokens.tolist(), int(start[0]))
+        s = Session(new_id("sess"), eng.name, await self._alloc(eng, state), owner, tokens.tolist(), int(start[0]))
         return self.sessions.add(s)
 
     def _engine_for_blob(self, blob: bytes) -> Engine:
@@ -176,7 +178,7 @@ class Runtime:
             slot = await eng.call(lambda: eng.fork(s.slot))
         except RuntimeError:
             raise APIError(503, "at_capacity", "no room for another session", headers={"Retry-After": "1"}) from None
-        return self.sessions.add(Session(new_id("sess"), s.model, slot, list(s.tokens), s.history_start))
+        return self.sessions.add(Session(new_id("sess"), s.model, slot, s.owner, list(s.tokens), s.history_start))
 
     async def delete(self, s: Session) -> None:
         self.sessions.pop(s.id)

@@ -19,6 +19,7 @@ class Session:
     id: str
     model: str
     slot: int
+    owner: str = ""  # key id of the creator ("" when API keys are off)
     tokens: list[int] = field(default_factory=list)  # history: pushed + sent, in order
     history_start: int = 0  # position of tokens[0]; > 0 when restored from a blob without history
     created_at: float = field(default_factory=time.time)
@@ -36,6 +37,7 @@ class Snapshot:
     model: str
     blob: bytes
     position: int
+    owner: str = ""
     created_at: float = field(default_factory=time.time)
 
 
@@ -49,21 +51,24 @@ class Sessions:
         self.by_id[s.id] = s
         return s
 
-    def get(self, id: str) -> Session:
+    def get(self, id: str, owner: str = "") -> Session:
         s = self.by_id.get(id)
-        if s is None:
+        if s is None or s.owner != owner:  # someone else's session looks exactly like none
             raise not_found("session", id)
         return s
+
+    def owned(self, owner: str) -> list[Session]:
+        return [s for s in list(self.by_id.values()) if s.owner == owner]
 
     def pop(self, id: str) -> Session:
         return self.by_id.pop(id)
 
     @contextmanager
-    def hold(self, id: str, release: bool = True):
+    def hold(self, id: str, owner: str = "", release: bool = True):
         """Exclusive use of a session for one request; a second one gets 409 at once.
         release=False hands the release to whoever finishes the work (a generation's engine
         job), except when the block itself fails."""
-        s = self.get(id)
+        s = self.get(id, owner)
         if s.busy:
             raise APIError(409, "session_busy", f"session {id!r} is serving another request; retry when it ends")
         s.busy = True
@@ -83,8 +88,8 @@ class Sessions:
             self.snapshots.popitem(last=False)
         return snap
 
-    def snapshot(self, id: str) -> Snapshot:
+    def snapshot(self, id: str, owner: str = "") -> Snapshot:
         snap = self.snapshots.get(id)
-        if snap is None:
+        if snap is None or snap.owner != owner:
             raise not_found("snapshot", id)
         return snap

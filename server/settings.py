@@ -26,6 +26,9 @@ class Settings(BaseSettings):
     lookahead: bool = True  # step a token while its event is being sent (rolled back if it never arrives)
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     snapshot_limit: int = 10000  # server-side snapshots kept (oldest dropped first)
+    api_keys: list[str] = Field(default_factory=list)  # when set, every route but /healthz needs one
+    api_key_file: Path | None = None  # one key per line; '#' starts a comment
+    metrics_public: bool = False  # serve /metrics without a key
 
     def checkpoint(self, name: str) -> Path:
         p = Path(name)

@@ -16,6 +16,7 @@ from sse_starlette.sse import EventSourceResponse
 from ..errors import APIError
 from ..schemas import Sampling
 from ..streaming import collect, events
+from ..auth import Owner
 from .deps import RT
 from .sessions import sampling_params
 
@@ -55,21 +56,21 @@ def chat_prompt(messages: list[Message]) -> str:
     return "".join(f"{m.role.upper()}:\n{m.content}\n\n" for m in messages) + "ASSISTANT:\n"
 
 
-async def _run(rt, req, text: str | list[int], echo_logprobs: int | None, logprobs: int | None):
+async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | None, logprobs: int | None):
     """Open or continue the session, push the prompt, start generating. -> (session, job, echo, temp)"""
     if req.session_id:
-        s = rt.sessions.get(req.session_id)
+        s = rt.sessions.get(req.session_id, owner)
         if req.model and req.model != s.model:
             raise APIError(400, "invalid_request", f"session {s.id!r} runs model {s.model!r}")
         temp = False
     else:
-        s = await rt.create(req.model, None, None)
+        s = await rt.create(req.model, None, None, owner)
         temp = True
     eng = rt.engines[s.model]
     params = sampling_params(req, rt)
     ids = rt.tokens_of(eng, text, None) if isinstance(text, str) else rt.tokens_of(eng, None, text)
     try:
-        with rt.sessions.hold(s.id, release=False):
+        with rt.sessions.hold(s.id, owner, release=False):
             start = s.position
             _, pre = await rt.push(s, ids, echo_logprobs)
             echo = None
@@ -99,9 +100,9 @@ def _logprobs_obj(tok, entries):
 
 
 @router.post("/completions")
-async def completions(req: Completion, rt: RT):
+async def completions(req: Completion, rt: RT, owner: Owner):
     want = req.logprobs
-    s, eng, job, ids, echo, temp = await _run(rt, req, req.prompt, want if req.echo else None, want)
+    s, eng, job, ids, echo, temp = await _run(rt, req, owner, req.prompt, want if req.echo else None, want)
     cid, created = f"cmpl-{s.id[5:21]}", int(time.time())
     base = {"id": cid, "object": "text_completion", "created": created, "model": s.model}
     prefix = eng.tok.decode(ids) if req.echo else ""
@@ -148,9 +149,9 @@ def _finish(reason: str) -> str:
 
 
 @router.post("/chat/completions")
-async def chat(req: Chat, rt: RT):
+async def chat(req: Chat, rt: RT, owner: Owner):
     req.max_tokens = req.max_completion_tokens or req.max_tokens or 64
-    s, eng, job, _, _, temp = await _run(rt, req, chat_prompt(req.messages), None, None)
+    s, eng, job, _, _, temp = await _run(rt, req, owner, chat_prompt(req.messages), None, None)
     cid, created = f"chatcmpl-{s.id[5:21]}", int(time.time())
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": s.model}
 
@@ -185,7 +186,7 @@ async def chat(req: Chat, rt: RT):
 
 
 @router.get("/models")
-async def models(rt: RT):
+async def models(rt: RT, owner: Owner):
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "linstream",
          "mixers": list(e.model.cfg.layer_mixers), "parameters": e.model.num_params(),

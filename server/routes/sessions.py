@@ -9,6 +9,7 @@ from model.sampling import SamplingParams
 from ..errors import APIError
 from ..schemas import CreateSession, Generate, Push, Restore
 from ..streaming import collect, sse
+from ..auth import Owner
 from .deps import RT
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
@@ -21,18 +22,18 @@ def sampling_params(req, rt) -> SamplingParams:
 
 
 @router.post("", status_code=201)
-async def create(req: CreateSession, rt: RT):
-    s = await rt.create(req.model, req.prompt, req.tokens)
+async def create(req: CreateSession, rt: RT, owner: Owner):
+    s = await rt.create(req.model, req.prompt, req.tokens, owner)
     return rt.describe(s)
 
 
 @router.get("")
-async def list_sessions(rt: RT):
-    return {"data": [rt.describe(s) for s in list(rt.sessions.by_id.values())]}
+async def list_sessions(rt: RT, owner: Owner):
+    return {"data": [rt.describe(s) for s in rt.sessions.owned(owner)]}
 
 
 @router.post("/restore", status_code=201)
-async def restore(request: Request, rt: RT):
+async def restore(request: Request, rt: RT, owner: Owner):
     """Body: JSON {"snapshot_id"} or the raw state blob (application/octet-stream)."""
     ctype = request.headers.get("content-type", "")
     if ctype.startswith("application/json"):
@@ -40,10 +41,10 @@ async def restore(request: Request, rt: RT):
             req = Restore.model_validate_json(await request.body())
         except ValueError as e:
             raise APIError(422, "invalid_request", str(e)) from None
-        snap = rt.sessions.snapshot(req.snapshot_id)
-        s = await rt.restore(snap.blob, snap.model)
+        snap = rt.sessions.snapshot(req.snapshot_id, owner)
+        s = await rt.restore(snap.blob, snap.model, owner)
     elif ctype.startswith("application/octet-stream"):
-        s = await rt.restore(await request.body(), request.query_params.get("model"))
+        s = await rt.restore(await request.body(), request.query_params.get("model"), owner)
     else:
         raise APIError(415, "unsupported_media_type",
                        "send application/json {\"snapshot_id\"} or an application/octet-stream state blob")
@@ -51,33 +52,33 @@ async def restore(request: Request, rt: RT):
 
 
 @router.get("/{sid}")
-async def get(sid: str, rt: RT):
-    return rt.describe(rt.sessions.get(sid))
+async def get(sid: str, owner: Owner, rt: RT):
+    return rt.describe(rt.sessions.get(sid, owner))
 
 
 @router.get("/{sid}/history")
-async def history(sid: str, rt: RT):
-    s = rt.sessions.get(sid)
+async def history(sid: str, owner: Owner, rt: RT):
+    s = rt.sessions.get(sid, owner)
     tok = rt.engines[s.model].tok
     return {"id": s.id, "position": s.position, "history_start": s.history_start,
             "tokens": list(s.tokens), "text": tok.decode(s.tokens)}
 
 
 @router.post("/{sid}/push")
-async def push(sid: str, req: Push, rt: RT):
-    s = rt.sessions.get(sid)
+async def push(sid: str, owner: Owner, req: Push, rt: RT):
+    s = rt.sessions.get(sid, owner)
     ids = rt.tokens_of(rt.engines[s.model], req.text, req.tokens)
-    with rt.sessions.hold(sid):
+    with rt.sessions.hold(sid, owner):
         ms, _ = await rt.push(s, ids)
     return {"position": s.position, "prefill_ms": round(ms, 3), "tokens": len(ids)}
 
 
 @router.post("/{sid}/generate")
-async def generate(sid: str, req: Generate, rt: RT):
-    s = rt.sessions.get(sid)
+async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
+    s = rt.sessions.get(sid, owner)
     params = sampling_params(req, rt)
     eng = rt.engines[s.model]
-    with rt.sessions.hold(sid, release=False):  # the engine releases it when the state is final
+    with rt.sessions.hold(sid, owner, release=False):  # the engine releases it when the state is final
         job = rt.generate(s, params, req.logprobs)
     if req.stream:
         return EventSourceResponse(sse(job, eng, s), ping=15)
@@ -85,29 +86,29 @@ async def generate(sid: str, req: Generate, rt: RT):
 
 
 @router.post("/{sid}/snapshot")
-async def snapshot(sid: str, rt: RT):
-    with rt.sessions.hold(sid) as s:
+async def snapshot(sid: str, owner: Owner, rt: RT):
+    with rt.sessions.hold(sid, owner) as s:
         snap = await rt.snapshot(s)
     return {"snapshot_id": snap.id, "position": snap.position, "bytes": len(snap.blob), "model": snap.model}
 
 
 @router.get("/{sid}/state")
-async def state(sid: str, rt: RT):
-    with rt.sessions.hold(sid) as s:
+async def state(sid: str, owner: Owner, rt: RT):
+    with rt.sessions.hold(sid, owner) as s:
         blob = await rt.state_blob(s)
     return Response(blob, media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{sid}.safetensors"'})
 
 
 @router.post("/{sid}/fork", status_code=201)
-async def fork(sid: str, rt: RT):
-    with rt.sessions.hold(sid) as s:
+async def fork(sid: str, owner: Owner, rt: RT):
+    with rt.sessions.hold(sid, owner) as s:
         child = await rt.fork(s)
     return rt.describe(child)
 
 
 @router.delete("/{sid}", status_code=204)
-async def delete(sid: str, rt: RT):
-    with rt.sessions.hold(sid) as s:
+async def delete(sid: str, owner: Owner, rt: RT):
+    with rt.sessions.hold(sid, owner) as s:
         await rt.delete(s)
     return Response(status_code=204)

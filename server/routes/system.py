@@ -1,4 +1,4 @@
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -13,6 +13,8 @@ async def healthz(rt: RT):
 
 
 @router.get("/metrics")
-async def metrics(rt: RT):
+async def metrics(request: Request, rt: RT):
+    if not rt.settings.metrics_public:
+        rt.keys.owner(request.headers.get("authorization"))
     rt.refresh_gauges()
     return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,60 @@
+"""API keys: 401 without a valid key; another key's sessions and snapshots are 404 everywhere."""
+import httpx
+import pytest
+import pytest_asyncio
+
+from server.app import create_app
+from server.settings import Settings
+
+from .helpers import make_checkpoint
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+A, B = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(tmp_path_factory):
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt"), "tiny-linear")
+    keyfile = tmp_path_factory.mktemp("keys") / "keys"
+    keyfile.write_text("# test keys\nkey-b\n")
+    app = create_app(Settings(models=[str(ckpt)], api_keys=["key-a"], api_key_file=keyfile))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            yield c
+
+
+async def test_key_required(client):
+    assert (await client.get("/healthz")).status_code == 200
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "key-a"}, {"Authorization": "Basic key-a"}):
+        r = await client.post("/v1/sessions", json={"prompt": "x"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "unauthorized"
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert (await client.get("/metrics")).status_code == 401
+    assert (await client.get("/metrics", headers=A)).status_code == 200
+    assert (await client.get("/v1/models")).status_code == 401
+
+
+async def test_other_keys_see_nothing(client):
+    s = (await client.post("/v1/sessions", json={"prompt": "KING:"}, headers=A)).json()
+    snap = (await client.post(f"/v1/sessions/{s['id']}/snapshot", headers=A)).json()
+    sid = s["id"]
+    attempts = [
+        ("GET", f"/v1/sessions/{sid}", None), ("GET", f"/v1/sessions/{sid}/history", None),
+        ("POST", f"/v1/sessions/{sid}/push", {"text": "x"}), ("POST", f"/v1/sessions/{sid}/generate", {"stream": False}),
+        ("POST", f"/v1/sessions/{sid}/snapshot", None), ("GET", f"/v1/sessions/{sid}/state", None),
+        ("POST", f"/v1/sessions/{sid}/fork", None), ("DELETE", f"/v1/sessions/{sid}", None),
+        ("POST", "/v1/sessions/restore", {"snapshot_id": snap["snapshot_id"]}),
+        ("POST", "/v1/completions", {"prompt": "x", "session_id": sid}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "session_id": sid}),
+    ]
+    for method, path, body in attempts:
+        r = await client.request(method, path, json=body, headers=B)
+        assert r.status_code == 404, (path, r.status_code)
+        assert r.json()["error"]["type"] == "not_found"
+    assert (await client.get("/v1/sessions", headers=B)).json()["data"] == []
+    # the owner still has everything, untouched
+    assert (await client.get(f"/v1/sessions/{sid}", headers=A)).json()["position"] == s["position"]
+    assert [x["id"] for x in (await client.get("/v1/sessions", headers=A)).json()["data"]] == [sid]
+    r = await client.post("/v1/sessions/restore", json={"snapshot_id": snap["snapshot_id"]}, headers=A)
+    assert r.status_code == 201
+    assert len(sid) >= 5 + 22 and len(snap["snapshot_id"]) >= 5 + 22  # 128 random bits, base64url
