@@ -13,10 +13,10 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
 
+from ..auth import Owner
 from ..errors import APIError
 from ..schemas import Sampling
 from ..streaming import collect, events
-from ..auth import Owner
 from .deps import RT
 from .sessions import sampling_params
 

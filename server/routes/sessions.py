@@ -6,10 +6,10 @@ from sse_starlette.sse import EventSourceResponse
 
 from model.sampling import SamplingParams
 
+from ..auth import Owner
 from ..errors import APIError
 from ..schemas import CreateSession, Generate, Push, Restore
 from ..streaming import collect, sse
-from ..auth import Owner
 from .deps import RT
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
