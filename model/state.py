@@ -9,6 +9,7 @@ token, which the next generated token is sampled from. Snapshot = `to_bytes` (sa
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -130,7 +131,7 @@ class State:
         tensors = {f"layers.{i}.{n}": t.contiguous() for i, layer in enumerate(s.layers) for n, t in layer.items()}
         tensors["next_logits"] = s.next_logits.contiguous()
         tensors.update({f"extra.{k}": v.contiguous() for k, v in (extra or {}).items()})
-        meta = {"format": FORMAT, "version": str(VERSION), "fingerprint": fingerprint,
+        meta = {"format": FORMAT, "version": str(VERSION), "fingerprint": fingerprint, "sha256": _digest(tensors),
                 "position": str(int(s.position[0])), "dtype": str(next(iter(tensors.values())).dtype),
                 "shapes": json.dumps({k: list(t.shape) for k, t in tensors.items()}, sort_keys=True)}
         return st_save(tensors, metadata=meta)
@@ -158,6 +159,8 @@ class State:
             raise SnapshotCorrupt(f"unreadable state blob: {e}") from None
         if pos < 0:
             raise SnapshotCorrupt("negative position")
+        if meta.get("sha256") != _digest(tensors):
+            raise SnapshotCorrupt("checksum mismatch: the blob was altered or damaged")
 
         def take(key: str, like: Tensor, time_dim: int | None = None) -> Tensor:
             want = [1, *like.shape[1:]]
@@ -181,6 +184,15 @@ class State:
         if tensors:
             raise SnapshotShapeMismatch(f"unexpected tensors: {sorted(tensors)[:5]}")
         return cls(layers, torch.tensor([pos], dtype=torch.long), template.time_dims, logits), extra
+
+
+def _digest(tensors: dict[str, Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k]
+        h.update(f"{k}:{t.dtype}:{list(t.shape)};".encode())
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def _read_header(blob: bytes) -> dict[str, str]:
