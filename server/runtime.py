@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import threading
 import time
+from collections import Counter
 
 import torch
 
@@ -25,6 +27,34 @@ from .sessions import Session, Sessions, Snapshot, new_id
 from .settings import Settings
 
 
+class TokenBuckets:
+    """Per-key token buckets refilled at `per_minute`; generation is refused while one is empty."""
+
+    def __init__(self, per_minute: int):
+        self.rate, self.level, self.lock = per_minute / 60.0, {}, threading.Lock()
+
+    def _refill(self, key: str) -> float:
+        now = time.monotonic()
+        level, then = self.level.get(key, (60 * self.rate, now))
+        level = min(60 * self.rate, level + (now - then) * self.rate)
+        self.level[key] = (level, now)
+        return level
+
+    def wait(self, key: str) -> float:
+        """Seconds until the key may generate again (0 = now)."""
+        if not self.rate:
+            return 0.0
+        with self.lock:
+            level = self._refill(key)
+        return 0.0 if level > 0 else -level / self.rate + 1 / self.rate
+
+    def spend(self, key: str, tokens: int) -> None:
+        if self.rate:
+            with self.lock:
+                level = self._refill(key)
+                self.level[key] = (level - tokens, self.level[key][1])
+
+
 class Runtime:
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -32,6 +62,8 @@ class Runtime:
         self.sessions = Sessions(settings.snapshot_limit)
         self.engines: dict[str, Engine] = {}
         self.keys = Keys(load_keys(settings.api_keys, settings.api_key_file))
+        self.streams: Counter[str] = Counter()  # generations in flight per owner
+        self.buckets = TokenBuckets(settings.tokens_per_minute_per_key)
         if settings.threads:
             torch.set_num_threads(settings.threads)
         for name in settings.models:
@@ -127,13 +159,31 @@ class Runtime:
         if s.position == 0:
             raise APIError(400, "empty_session", "the session holds no tokens yet: push a prompt first")
         eng = self.engines[s.model]
+        self.admit(eng, s.owner)
+        self.streams[s.owner] += 1
 
-        def finished(_: Job):
+        def finished(j: Job):  # engine thread
             s.busy = False
             s.last_used_at = time.time()
+            self.streams[s.owner] -= 1
+            self.buckets.spend(s.owner, j.emitted)
         job = Job(s.slot, params, asyncio.get_running_loop(), logprobs, finished)
         eng.submit(job)
         return job
+
+    def admit(self, eng: Engine, owner: str) -> None:
+        """Admission control: a bounded queue per model, optional per-key limits."""
+        cfg = self.settings
+        if len(eng.jobs) >= cfg.max_batch + cfg.max_queue:
+            raise APIError(503, "overloaded", f"model {eng.name!r} has {len(eng.jobs)} generations in flight; retry shortly",
+                           headers={"Retry-After": "1"})
+        if cfg.max_streams_per_key and self.streams[owner] >= cfg.max_streams_per_key:
+            raise APIError(429, "rate_limited", f"at most {cfg.max_streams_per_key} concurrent generations per key",
+                           headers={"Retry-After": "1"})
+        wait = self.buckets.wait(owner)
+        if wait > 0:
+            raise APIError(429, "rate_limited", f"token budget of {cfg.tokens_per_minute_per_key}/min spent",
+                           headers={"Retry-After": str(max(1, round(wait)))})
 
     async def state_blob(self, s: Session) -> bytes:
         eng = self.engines[s.model]

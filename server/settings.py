@@ -23,6 +23,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = 16 << 20  # request bodies (state blobs included)
     prefill_chunk: int = 512  # prefill advances this many tokens between two decode steps
     max_batch: int = 256  # sessions advanced by one decode step
+    max_queue: int = 256  # generations waiting beyond max_batch; more are refused with 503
+    max_streams_per_key: int = 0  # concurrent generations per API key (0 = unlimited)
+    tokens_per_minute_per_key: int = 0  # generated tokens per key per minute (0 = unlimited)
     lookahead: bool = True  # step a token while its event is being sent (rolled back if it never arrives)
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     snapshot_limit: int = 10000  # server-side snapshots kept (oldest dropped first)

@@ -1,4 +1,6 @@
-"""API keys: 401 without a valid key; another key's sessions and snapshots are 404 everywhere."""
+"""Access and limits: API keys (401), per-key ownership (404 to others), admission control."""
+import asyncio
+
 import httpx
 import pytest
 import pytest_asyncio
@@ -58,3 +60,37 @@ async def test_other_keys_see_nothing(client):
     r = await client.post("/v1/sessions/restore", json={"snapshot_id": snap["snapshot_id"]}, headers=A)
     assert r.status_code == 201
     assert len(sid) >= 5 + 22 and len(snap["snapshot_id"]) >= 5 + 22  # 128 random bits, base64url
+
+
+async def test_per_key_limits(tmp_path):
+    ckpt = make_checkpoint(tmp_path, "tiny-linear")
+    app = create_app(Settings(models=[str(ckpt)], api_keys=["key-a", "key-b"], max_streams_per_key=1,
+                              tokens_per_minute_per_key=20))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            s = (await c.post("/v1/sessions", json={"prompt": "x"}, headers=A)).json()
+            r = await c.post(f"/v1/sessions/{s['id']}/generate", json={"stream": False, "max_tokens": 25}, headers=A)
+            assert r.status_code == 200  # within budget when it started; now spent (25 > 20)
+            r = await c.post(f"/v1/sessions/{s['id']}/generate", json={"stream": False, "max_tokens": 1}, headers=A)
+            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limited" and r.headers["retry-after"]
+            # the other key is unaffected
+            s2 = (await c.post("/v1/sessions", json={"prompt": "x"}, headers=B)).json()
+            r = await c.post(f"/v1/sessions/{s2['id']}/generate", json={"stream": False, "max_tokens": 2}, headers=B)
+            assert r.status_code == 200
+
+
+async def test_bounded_generation_queue_503(tmp_path):
+    ckpt = make_checkpoint(tmp_path, "tiny-linear")
+    app = create_app(Settings(models=[str(ckpt)], max_batch=1, max_queue=0))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            a = (await c.post("/v1/sessions", json={"prompt": "x"})).json()["id"]
+            b = (await c.post("/v1/sessions", json={"prompt": "y"})).json()["id"]
+            long = asyncio.create_task(c.post(f"/v1/sessions/{a}/generate", json={"stream": False, "max_tokens": 400}))
+            await asyncio.sleep(0.05)
+            r = await c.post(f"/v1/sessions/{b}/generate", json={"stream": False, "max_tokens": 1})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded" and r.headers["retry-after"] == "1"
+            assert (await long).status_code == 200
+            # session b was not harmed: it generates once the queue has room
+            r = await c.post(f"/v1/sessions/{b}/generate", json={"stream": False, "max_tokens": 1})
+            assert r.status_code == 200
