@@ -33,7 +33,8 @@ def serve(
     given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
              "api_keys": api_key, "api_key_file": api_key_file}
     settings = Settings(**{k: v for k, v in given.items() if v})
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level,
+                timeout_graceful_shutdown=settings.graceful_shutdown_s)
 
 
 def main():

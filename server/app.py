@@ -4,12 +4,14 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException
 
 from . import errors
 from .errors import body
 from .routes import openai, sessions, system
 from .runtime import Runtime
+from .schemas import Restore
 from .settings import Settings
 
 
@@ -46,6 +48,33 @@ async def _reject(send, limit):
     await send({"type": "http.response.body", "body": data})
 
 
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["type", "message"],
+    "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema, with every error documented as what the server really sends:
+    {"error": {"type", "message"}} for any 4XX/5XX (FastAPI's own 422 shape is never used)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    comps = schema.setdefault("components", {}).setdefault("schemas", {})
+    comps.pop("HTTPValidationError", None)
+    comps.pop("ValidationError", None)
+    comps["Error"] = ERROR_SCHEMA
+    comps["Restore"] = Restore.model_json_schema()  # read by hand (the route also takes raw blobs)
+    err = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    for ops in schema["paths"].values():
+        for op in ops.values():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            responses["4XX"] = {"description": "Client error", **err}
+            responses["5XX"] = {"description": "Overloaded or at capacity", **err}
+    app.openapi_schema = schema
+    return schema
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
 
@@ -64,5 +93,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     for r in (sessions.router, openai.router, system.router):
         app.include_router(r)
+    app.openapi = lambda: _openapi(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app

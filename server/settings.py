@@ -26,6 +26,8 @@ class Settings(BaseSettings):
     max_queue: int = 256  # generations waiting beyond max_batch; more are refused with 503
     max_streams_per_key: int = 0  # concurrent generations per API key (0 = unlimited)
     tokens_per_minute_per_key: int = 0  # generated tokens per key per minute (0 = unlimited)
+    stream_send_timeout: float = 30.0  # seconds a client may leave one SSE event unread
+    graceful_shutdown_s: int = 30  # on SIGTERM: stop accepting, let streams finish this long
     lookahead: bool = True  # step a token while its event is being sent (rolled back if it never arrives)
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     snapshot_limit: int = 10000  # server-side snapshots kept (oldest dropped first)

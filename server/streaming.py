@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
+from sse_starlette.sse import EventSourceResponse
+
 from .engine import Engine, Job
 from .sessions import Session
 
@@ -34,6 +36,12 @@ async def events(job: Job, eng: Engine, s: Session) -> AsyncIterator[tuple[str, 
         if job.finish is None or job.yielded < job.emitted:
             job.cancelled = True
             eng.wake()
+
+
+def sse_response(gen, send_timeout: float) -> EventSourceResponse:
+    """SSE with pings, and a reader too slow to take an event within `send_timeout` seconds loses
+    the stream (its session keeps exactly what was delivered) instead of holding a decode slot."""
+    return EventSourceResponse(gen, ping=15, send_timeout=send_timeout)
 
 
 async def sse(job: Job, eng: Engine, s: Session):

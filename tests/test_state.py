@@ -11,12 +11,12 @@ from model.generate import decode, prefill
 from model.lm import LM
 from model.state import (
     SnapshotCorrupt,
-    _digest,
     SnapshotModelMismatch,
     SnapshotNonFinite,
     SnapshotShapeMismatch,
     SnapshotVersionMismatch,
     State,
+    _digest,
 )
 
 

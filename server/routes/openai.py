@@ -11,12 +11,11 @@ from typing import Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
-from sse_starlette.sse import EventSourceResponse
 
 from ..auth import Owner
 from ..errors import APIError
 from ..schemas import Sampling
-from ..streaming import collect, events
+from ..streaming import collect, events, sse_response
 from .deps import RT
 from .sessions import sampling_params
 
@@ -129,7 +128,7 @@ async def completions(req: Completion, rt: RT, owner: Owner):
                 yield {"data": "[DONE]"}
             finally:
                 await finish()
-        return EventSourceResponse(gen(), ping=15)
+        return sse_response(gen(), rt.settings.stream_send_timeout)
 
     try:
         done = await collect(job, eng, s)
@@ -173,7 +172,7 @@ async def chat(req: Chat, rt: RT, owner: Owner):
                 yield {"data": "[DONE]"}
             finally:
                 await finish()
-        return EventSourceResponse(gen(), ping=15)
+        return sse_response(gen(), rt.settings.stream_send_timeout)
 
     try:
         done = await collect(job, eng, s)

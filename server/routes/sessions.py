@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
-from sse_starlette.sse import EventSourceResponse
 
 from model.sampling import SamplingParams
 
 from ..auth import Owner
 from ..errors import APIError
 from ..schemas import CreateSession, Generate, Push, Restore
-from ..streaming import collect, sse
+from ..streaming import collect, sse, sse_response
 from .deps import RT
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
@@ -32,7 +31,14 @@ async def list_sessions(rt: RT, owner: Owner):
     return {"data": [rt.describe(s) for s in rt.sessions.owned(owner)]}
 
 
-@router.post("/restore", status_code=201)
+RESTORE_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": {"$ref": "#/components/schemas/Restore"}},
+    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+SSE = {200: {"description": "SSE stream (stream=true) or one JSON body",
+             "content": {"text/event-stream": {"schema": {"type": "string"}}, "application/json": {"schema": {"type": "object"}}}}}
+
+
+@router.post("/restore", status_code=201, openapi_extra=RESTORE_BODY)
 async def restore(request: Request, rt: RT, owner: Owner):
     """Body: JSON {"snapshot_id"} or the raw state blob (application/octet-stream)."""
     ctype = request.headers.get("content-type", "")
@@ -73,7 +79,7 @@ async def push(sid: str, owner: Owner, req: Push, rt: RT):
     return {"position": s.position, "prefill_ms": round(ms, 3), "tokens": len(ids)}
 
 
-@router.post("/{sid}/generate")
+@router.post("/{sid}/generate", responses=SSE)
 async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
     s = rt.sessions.get(sid, owner)
     params = sampling_params(req, rt)
@@ -81,7 +87,7 @@ async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
     with rt.sessions.hold(sid, owner, release=False):  # the engine releases it when the state is final
         job = rt.generate(s, params, req.logprobs)
     if req.stream:
-        return EventSourceResponse(sse(job, eng, s), ping=15)
+        return sse_response(sse(job, eng, s), rt.settings.stream_send_timeout)
     return await collect(job, eng, s)
 
 
