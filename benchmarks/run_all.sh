@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Reproduce every figure under benchmarks/results/ on one machine (about 25 minutes on 2 cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=benchmarks/results
+mkdir -p $out
+python -m model.bench --threads 2 --out $out/model_bench.json | tee $out/model_bench.txt
+python benchmarks/models_table.py | tee $out/models_table.md
+port=8100
+linstream serve -m linear -m mamba -m softmax --port $port --threads 1 --log-level warning &
+srv=$!
+trap 'kill $srv' EXIT
+until curl -sf http://127.0.0.1:$port/healthz >/dev/null; do sleep 0.5; done
+linstream bench latency --url http://127.0.0.1:$port --threads 1 --out $out/latency | tee $out/latency.txt
+linstream loadtest --url http://127.0.0.1:$port --model linear --concurrency 1,8,64,256 --duration 20 \
+    --out $out/loadtest | tee $out/loadtest.txt

@@ -1,0 +1,96 @@
+"""Soak: C concurrent streaming sessions against a real server for D seconds, watching the
+server's resident memory, open file descriptors and sessions. Starts its own server on a
+loopback port and stops by itself.
+
+    python benchmarks/soak.py --concurrency 256 --duration 60 --out benchmarks/results/soak.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from clients.loadtest import level
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_stats(pid: int) -> dict:
+    rss = next(int(ln.split()[1]) * 1024 for ln in open(f"/proc/{pid}/status") if ln.startswith("VmRSS"))
+    return {"rss_bytes": rss, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+
+async def sample(pid: int, url: str, every: float, out: list, stop: asyncio.Event):
+    async with httpx.AsyncClient(timeout=10) as c:
+        t0 = time.perf_counter()
+        while not stop.is_set():
+            sessions = (await c.get(url + "/healthz")).json()["sessions"]
+            out.append({"t": round(time.perf_counter() - t0, 2), "sessions": sessions, **proc_stats(pid)})
+            try:
+                await asyncio.wait_for(stop.wait(), every)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def soak(pid, url, conc, duration, max_tokens, warmup):
+    samples, stop = [], asyncio.Event()
+    sampler = asyncio.create_task(sample(pid, url, 2.0, samples, stop))
+    res = await level(url, conc, duration, max_tokens, None, "ROMEO:\nBut soft, what light through yonder window breaks?\n")
+    await asyncio.sleep(1.0)
+    stop.set()
+    await sampler
+    after = [s for s in samples if s["t"] >= warmup] or samples
+    base = after[0]["rss_bytes"]
+    return {"load": res, "samples": samples, "rss_after_warmup": base, "rss_max_after_warmup": max(s["rss_bytes"] for s in after),
+            "rss_growth_after_warmup": max(s["rss_bytes"] for s in after) / base - 1,
+            "fds_start": samples[0]["fds"], "fds_end": samples[-1]["fds"],
+            "sessions_end": samples[-1]["sessions"]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--duration", type=float, default=60)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--warmup", type=float, default=15, help="seconds before memory growth is measured")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="benchmarks/results/soak.json")
+    a = ap.parse_args()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    srv = subprocess.Popen([sys.executable, "-m", "clients", "serve", "--port", str(port), "--threads", str(a.threads),
+                            "--log-level", "warning"])
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        res = asyncio.run(soak(srv.pid, url, a.concurrency, a.duration, a.max_tokens, a.warmup))
+    finally:
+        srv.terminate()
+        srv.wait(30)
+    res["command"] = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
+    errors = sum(res["load"]["errors"].values())
+    print(f"{a.concurrency} streams for {a.duration:.0f} s: {res['load']['tokens_per_s']:.0f} tok/s, {errors} errors, "
+          f"RSS growth after warm-up {100 * res['rss_growth_after_warmup']:.1f} %, fds {res['fds_start']} -> {res['fds_end']}, "
+          f"sessions left {res['sessions_end']}")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
