@@ -106,6 +106,7 @@ def main(argv=None):
         results.append(bench_model(path.name, LM.load(path), a.positions, a.batches, a.steps,
                                    int(a.mem_limit_gib * 2**30), a.prefill))
     summary = _summary(results)
+    print(table(results))
     for line in summary["lines"]:
         print(line)
     out = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
@@ -113,6 +114,33 @@ def main(argv=None):
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {a.out}")
+
+
+def table(results: list[dict]) -> str:
+    """Markdown: decode ms/step per model and position for each batch, state bytes, prefill."""
+    batches = sorted({d["batch"] for r in results for d in r["decode"]})
+    head = ["model", "position", *[f"decode ms, batch {b}" for b in batches], "tokens/s at batch " + str(batches[-1]),
+            "state bytes/session"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in results:
+        by = {(d["position"], d["batch"]): d for d in r["decode"]}
+        for p in sorted({d["position"] for d in r["decode"]}):
+            cells = [r["model"], f"{p:,}"]
+            for b in batches:
+                d = by[(p, b)]
+                cells.append("skipped (memory)" if "skipped" in d else f"{d['ms_median']:.3f} (p99 {d['ms_p99']:.3f})")
+            last = by[(p, batches[-1])]
+            cells.append("" if "skipped" in last else f"{last['tokens_per_s']:,.0f}")
+            cells.append(f"{by[(p, batches[0])]['state_bytes_per_session']:,}")
+            lines.append("| " + " | ".join(cells) + " |")
+    n = results[0]["prefill"]["tokens"]
+    lines += ["", f"| model | prefill of {n:,} tokens: chunked tok/s | token-by-token tok/s | speed-up |",
+              "| --- | --- | --- | --- |"]
+    for r in results:
+        pf = r["prefill"]
+        lines.append(f"| {r['model']} | {pf['chunked_tokens_per_s']:,.0f} | {pf['token_by_token_tokens_per_s']:,.0f} "
+                     f"| {pf['speedup']:.1f}x |")
+    return "\n".join(lines)
 
 
 def _summary(results: list[dict]) -> dict:

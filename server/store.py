@@ -1,0 +1,182 @@
+"""Snapshot stores: where snapshots and persisted sessions live beyond the process.
+
+One small async interface, three implementations chosen by `--store`:
+  memory           in-process dict (tests, ephemeral use)
+  disk:PATH        one file per key under PATH: atomic writes (temp file, fsync, rename), a
+                   sha256 checked on every read, keys confined to PATH (never a path unchecked)
+  redis://...      redis-py's asyncio client; TTLs are Redis expiries
+Values are opaque bytes (state blobs are safetensors); expiry is per key.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import time
+from pathlib import Path
+from typing import Protocol
+
+KEY = re.compile(r"^[A-Za-z0-9_\-]{1,64}/[A-Za-z0-9_\-]{1,128}$")  # "<kind>/<id>"
+
+
+class StoreError(Exception):
+    """A stored value that cannot be trusted (damaged, truncated)."""
+
+
+def check_key(key: str) -> str:
+    if not KEY.match(key):
+        raise ValueError(f"invalid store key {key!r}")
+    return key
+
+
+class Store(Protocol):
+    async def put(self, key: str, value: bytes, ttl: float | None = None) -> None: ...
+    async def get(self, key: str) -> bytes | None: ...
+    async def delete(self, key: str) -> None: ...
+    async def list(self, kind: str) -> list[str]: ...
+    async def touch(self, key: str, ttl: float | None) -> bool: ...
+    async def close(self) -> None: ...
+
+
+class MemoryStore:
+    def __init__(self):
+        self.data: dict[str, tuple[bytes, float | None]] = {}
+
+    def _live(self, key):
+        v = self.data.get(key)
+        if v is not None and v[1] is not None and v[1] <= time.time():
+            del self.data[key]
+            return None
+        return v
+
+    async def put(self, key, value, ttl=None):
+        self.data[check_key(key)] = (bytes(value), None if ttl is None else time.time() + ttl)
+
+    async def get(self, key):
+        v = self._live(check_key(key))
+        return None if v is None else v[0]
+
+    async def delete(self, key):
+        self.data.pop(check_key(key), None)
+
+    async def list(self, kind):
+        return [k.split("/", 1)[1] for k in list(self.data) if k.startswith(kind + "/") and self._live(k)]
+
+    async def touch(self, key, ttl):
+        v = self._live(check_key(key))
+        if v is None:
+            return False
+        self.data[key] = (v[0], None if ttl is None else time.time() + ttl)
+        return True
+
+    async def close(self):
+        pass
+
+
+MAGIC = b"LSTORE1\n"
+
+
+class DiskStore:
+    """File layout: MAGIC, 64 hex chars of sha256(payload), 20 chars of expiry (0 = never), payload."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        kind, ident = check_key(key).split("/", 1)
+        p = (self.root / kind / ident).resolve()
+        if p.parent.parent != self.root:  # the key regex already forbids it; belt and braces
+            raise ValueError(f"store key {key!r} escapes the store")
+        return p
+
+    def _write(self, path: Path, value: bytes, expiry: float) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + hashlib.sha256(value).hexdigest().encode() + f"{expiry:020.3f}".encode() + value)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
+
+    def _read(self, path: Path) -> tuple[bytes, float] | None:
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        head = len(MAGIC) + 64 + 20
+        if len(raw) < head or not raw.startswith(MAGIC):
+            raise StoreError(f"{path.name}: not a store file or truncated")
+        digest, expiry, value = raw[len(MAGIC):len(MAGIC) + 64], float(raw[len(MAGIC) + 64:head]), raw[head:]
+        if hashlib.sha256(value).hexdigest().encode() != digest:
+            raise StoreError(f"{path.name}: checksum mismatch, the file is damaged")
+        if expiry and expiry <= time.time():
+            path.unlink(missing_ok=True)
+            return None
+        return value, expiry
+
+    async def put(self, key, value, ttl=None):
+        await asyncio.to_thread(self._write, self._path(key), bytes(value), 0.0 if ttl is None else time.time() + ttl)
+
+    async def get(self, key):
+        got = await asyncio.to_thread(self._read, self._path(key))
+        return None if got is None else got[0]
+
+    async def delete(self, key):
+        self._path(key).unlink(missing_ok=True)
+
+    async def list(self, kind):
+        d = self.root / kind
+        if not KEY.match(f"{kind}/x") or not d.is_dir():
+            return []
+        return sorted(p.name for p in d.iterdir() if not p.name.startswith("."))
+
+    async def touch(self, key, ttl):
+        path = self._path(key)
+        got = await asyncio.to_thread(self._read, path)
+        if got is None:
+            return False
+        await asyncio.to_thread(self._write, path, got[0], 0.0 if ttl is None else time.time() + ttl)
+        return True
+
+    async def close(self):
+        pass
+
+
+class RedisStore:
+    def __init__(self, url: str):
+        import redis.asyncio as redis
+        self.r = redis.from_url(url)
+        self.prefix = "linstream:"
+
+    async def put(self, key, value, ttl=None):
+        await self.r.set(self.prefix + check_key(key), value, px=None if ttl is None else max(1, int(ttl * 1000)))
+
+    async def get(self, key):
+        return await self.r.get(self.prefix + check_key(key))
+
+    async def delete(self, key):
+        await self.r.delete(self.prefix + check_key(key))
+
+    async def list(self, kind):
+        pat, n = f"{self.prefix}{kind}/*", len(self.prefix) + len(kind) + 1
+        return sorted([k.decode()[n:] async for k in self.r.scan_iter(match=pat, count=1000)])
+
+    async def touch(self, key, ttl):
+        k = self.prefix + check_key(key)
+        return bool(await (self.r.persist(k) if ttl is None else self.r.pexpire(k, max(1, int(ttl * 1000)))))
+
+    async def close(self):
+        await self.r.aclose()
+
+
+def open_store(spec: str) -> Store:
+    """'memory', 'disk:PATH' or 'redis://...'."""
+    if spec == "memory":
+        return MemoryStore()
+    if spec.startswith("disk:"):
+        return DiskStore(spec[len("disk:"):])
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        return RedisStore(spec)
+    raise ValueError(f"unknown store {spec!r}: use memory, disk:PATH or redis://HOST:PORT/DB")
