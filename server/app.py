@@ -86,7 +86,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
-            rt.stop()
+            await rt.stop()
 
     app = FastAPI(title="linstream", version="0.1.0", lifespan=lifespan,
                   description="Streaming inference for recurrent language models, with explicit sessions.")

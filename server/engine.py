@@ -43,6 +43,8 @@ class Job:
     logprobs: int | None = None  # top-n alternatives per token (OpenAI `logprobs`)
     on_finish: Callable[["Job"], None] | None = None  # runs on the engine thread when the state is final
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)  # set once the state is final
+    closing: asyncio.Task | None = None  # the task persisting and releasing the session after it
     emitted: int = 0
     yielded: int = 0  # advanced by the handler after each event has been handed to the response
     consumed: int = 0  # tokens of this job the state has consumed
@@ -301,6 +303,7 @@ class Engine:
             j.finish = "cancelled" if j.cancelled else "length"
         if j.on_finish:
             j.on_finish(j)
+        j.loop.call_soon_threadsafe(j.finished.set)
         j.loop.call_soon_threadsafe(j.events.put_nowait, ("done", None))
 
 

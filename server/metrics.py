@@ -24,5 +24,10 @@ class Metrics:
         self.state_bytes = Gauge("linstream_state_bytes", "Bytes of session state held", ["model"], registry=r)
         self.queue_depth = Gauge("linstream_queue_depth", "Prefills and generations waiting to start", ["model"],
                                  registry=r)
-        self.snapshots = Gauge("linstream_snapshots", "Server-side snapshots held", registry=r)
+        self.spills = Counter("linstream_sessions_spilled", "Idle sessions whose slot was given to another", ["model"],
+                              registry=r)
+        self.reloads = Counter("linstream_sessions_reloaded", "Sessions brought back from the store", ["model"],
+                               registry=r)
+        self.expired = Counter("linstream_sessions_expired", "Sessions dropped after session_ttl idle", ["model"],
+                               registry=r)
         self.rss = Gauge("linstream_resident_memory_bytes", "Resident memory of the server process", registry=r)

@@ -1,16 +1,22 @@
-"""What the routes act on: models, engines, sessions. Routes parse HTTP; this holds the logic.
+"""What the routes act on: models, engines, sessions, the store. Routes parse HTTP; this holds
+the logic.
 
 Every operation that touches a state goes through the owning engine's thread (`Engine.call`,
 `Engine.prefill`, `Engine.submit`), so no two writers ever meet on one slot.
+
+Durability: every request that changes a session writes the session's record (metadata + state
+blob with its history) to the store before the session is released, so a session that is not
+busy is always current in the store. That makes spilling free (drop the slot) and makes every
+acknowledged session survive a restart on the same store: unknown ids are looked up there.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import struct
-import threading
 import time
 from collections import Counter
+from contextlib import asynccontextmanager
 
 import torch
 
@@ -21,49 +27,25 @@ from model.tokenizer import Tokenizer
 
 from .auth import Keys, load_keys
 from .engine import Engine, Job
-from .errors import APIError
+from .errors import APIError, not_found
+from .limits import TokenBuckets
 from .metrics import Metrics
-from .sessions import Session, Sessions, Snapshot, new_id
+from .sessions import Session, Snapshot, decode_record, encode_record, new_id
 from .settings import Settings
-
-
-class TokenBuckets:
-    """Per-key token buckets refilled at `per_minute`; generation is refused while one is empty."""
-
-    def __init__(self, per_minute: int):
-        self.rate, self.level, self.lock = per_minute / 60.0, {}, threading.Lock()
-
-    def _refill(self, key: str) -> float:
-        now = time.monotonic()
-        level, then = self.level.get(key, (60 * self.rate, now))
-        level = min(60 * self.rate, level + (now - then) * self.rate)
-        self.level[key] = (level, now)
-        return level
-
-    def wait(self, key: str) -> float:
-        """Seconds until the key may generate again (0 = now)."""
-        if not self.rate:
-            return 0.0
-        with self.lock:
-            level = self._refill(key)
-        return 0.0 if level > 0 else -level / self.rate + 1 / self.rate
-
-    def spend(self, key: str, tokens: int) -> None:
-        if self.rate:
-            with self.lock:
-                level = self._refill(key)
-                self.level[key] = (level - tokens, self.level[key][1])
+from .store import StoreError, open_store
 
 
 class Runtime:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.metrics = Metrics()
-        self.sessions = Sessions(settings.snapshot_limit)
+        self.sessions: dict[str, Session] = {}  # held by this process (resident or spilled)
+        self.store = open_store(settings.store)
         self.engines: dict[str, Engine] = {}
         self.keys = Keys(load_keys(settings.api_keys, settings.api_key_file))
         self.streams: Counter[str] = Counter()  # generations in flight per owner
         self.buckets = TokenBuckets(settings.tokens_per_minute_per_key)
+        self.background: set[asyncio.Task] = set()
         if settings.threads:
             torch.set_num_threads(settings.threads)
         for name in settings.models:
@@ -80,10 +62,21 @@ class Runtime:
     def start(self):
         for e in self.engines.values():
             e.start()
+        if self.settings.session_ttl:
+            self._spawn(self._sweep())
 
-    def stop(self):
+    async def stop(self):
+        for t in list(self.background):
+            t.cancel()
         for e in self.engines.values():
             e.stop()
+        await self.store.close()
+
+    def _spawn(self, coro):
+        t = asyncio.create_task(coro)
+        self.background.add(t)
+        t.add_done_callback(self.background.discard)
+        return t
 
     # ---- lookups and validation ----------------------------------------------------------
     def engine(self, model: str | None) -> Engine:
@@ -111,51 +104,152 @@ class Runtime:
 
     def describe(self, s: Session) -> dict:
         eng = self.engines[s.model]
-        return {"id": s.id, "model": s.model, "position": s.position, "state_bytes": eng.row_nbytes(s.slot),
-                "created_at": s.created_at, "last_used_at": s.last_used_at}
+        return {"id": s.id, "model": s.model, "position": s.position,
+                "state_bytes": eng.row_nbytes(s.slot) if s.slot is not None else s.state_bytes,
+                "created_at": s.created_at, "last_used_at": s.last_used_at, "resident": s.slot is not None}
+
+    def owned(self, owner: str) -> list[Session]:
+        return [s for s in list(self.sessions.values()) if s.owner == owner]
 
     def refresh_gauges(self):
         m = self.metrics
         for name, eng in self.engines.items():
-            held = [s for s in self.sessions.by_id.values() if s.model == name]
+            held = [s for s in self.sessions.values() if s.model == name and s.slot is not None]
             m.sessions.labels(name).set(len(held))
             m.state_bytes.labels(name).set(sum(eng.row_nbytes(s.slot) for s in held))
             m.queue_depth.labels(name).set(eng.queue_depth)
-        m.snapshots.set(len(self.sessions.snapshots))
         try:
             with open("/proc/self/statm") as f:
                 m.rss.set(int(f.read().split()[1]) * 4096)
         except OSError:
             pass
 
-    # ---- session operations --------------------------------------------------------------
-    async def _alloc(self, eng: Engine, state: State | None = None) -> int:
-        try:
-            return await eng.call(lambda: eng.alloc(state))
-        except RuntimeError:
-            raise APIError(503, "at_capacity", f"model {eng.name!r} holds its maximum of sessions; "
-                           "delete one or retry later", headers={"Retry-After": "1"}) from None
+    # ---- finding and holding sessions ----------------------------------------------------
+    async def find(self, sid: str, owner: str) -> Session:
+        """The session, from memory or, after a restart or expiry elsewhere, from the store.
+        Someone else's session is reported exactly like a missing one."""
+        s = self.sessions.get(sid)
+        if s is None:
+            s = await self._load(sid)
+        if s is None or s.owner != owner:
+            raise not_found("session", sid)
+        return s
 
-    async def create(self, model: str | None, text: str | None, tokens: list[int] | None, owner: str = "") -> Session:
+    async def _load(self, sid: str) -> Session | None:
+        try:
+            rec = await self.store.get(f"sess/{sid}")
+        except ValueError:  # not a well-formed id: cannot exist
+            return None
+        except StoreError as e:
+            raise APIError(500, "store_damaged", f"the stored record of session {sid!r} is damaged: {e}") from None
+        if rec is None:
+            return None
+        meta, blob = decode_record(rec)
+        eng = self.engines.get(meta["model"])
+        if eng is None:
+            raise APIError(409, "model_not_served", f"session {sid!r} belongs to model {meta['model']!r}, not served here")
+        state, extra = State.from_bytes_with_extra(blob, eng.empty, eng.model.fingerprint)
+        s = self.sessions.get(sid)  # another request may have loaded it meanwhile
+        if s is None:
+            s = Session(sid, meta["model"], None, meta["owner"], extra["history"].tolist(),
+                        int(extra["history_start"][0]), meta["created_at"], meta["last_used_at"],
+                        state_bytes=state.row_nbytes())
+            self.sessions[sid] = s
+        return s
+
+    @asynccontextmanager
+    async def use(self, sid: str, owner: str, release: bool = True):
+        """Exclusive use of a resident session for one request; a second one gets 409 at once.
+        release=False leaves the release to whoever finishes the work (a generation)."""
+        s = await self.find(sid, owner)
+        if s.busy:
+            raise APIError(409, "session_busy", f"session {sid!r} is serving another request; retry when it ends")
+        s.busy = True
+        try:
+            await self._make_resident(s)
+            yield s
+        except BaseException:
+            s.busy = False
+            raise
+        finally:
+            s.last_used_at = time.time()
+        if release:
+            s.busy = False
+
+    async def _make_resident(self, s: Session) -> None:
+        if s.slot is not None:
+            return
+        rec = await self.store.get(f"sess/{s.id}")
+        if rec is None:
+            self.sessions.pop(s.id, None)
+            raise not_found("session", s.id)
+        eng = self.engines[s.model]
+        state = State.from_bytes(decode_record(rec)[1], eng.empty, eng.model.fingerprint)
+        s.slot = await self._alloc(eng, state)
+        self.metrics.reloads.labels(s.model).inc()
+
+    async def _alloc(self, eng: Engine, state: State | None = None) -> int:
+        """A free slot, spilling the least recently used idle session of this model if none is.
+        An idle session is current in the store, so spilling it only drops its slot."""
+        while True:
+            try:
+                return await eng.call(lambda: eng.alloc(state))
+            except RuntimeError:
+                pass
+            idle = [s for s in self.sessions.values()
+                    if s.model == eng.name and s.slot is not None and not s.busy and not s.ephemeral]
+            if not idle:
+                raise APIError(503, "at_capacity", f"model {eng.name!r} holds its maximum of busy sessions; "
+                               "retry later", headers={"Retry-After": "1"})
+            victim = min(idle, key=lambda s: s.last_used_at)
+            slot, victim.slot = victim.slot, None  # marked before any await: a new request reloads it
+            victim.state_bytes = eng.row_nbytes(slot)
+            self.metrics.spills.labels(eng.name).inc()
+            await eng.call(lambda: eng.release(slot))  # noqa: B023  (awaited at once)
+
+    async def persist(self, s: Session) -> None:
+        """Write the session's record to the store (state, history, metadata)."""
+        if s.ephemeral:
+            return
+        blob = await self.state_blob(s)
+        s.state_bytes = self.engines[s.model].row_nbytes(s.slot)
+        ttl = self.settings.session_ttl or None
+        await self.store.put(f"sess/{s.id}", encode_record(s.meta(), blob), ttl)
+
+    async def _new(self, eng: Engine, owner: str, state: State | None = None, tokens=(), start: int = 0,
+                   ephemeral: bool = False) -> Session:
+        s = Session(new_id("sess"), eng.name, None, owner, list(tokens), start, busy=True, ephemeral=ephemeral)
+        s.slot = await self._alloc(eng, state)
+        self.sessions[s.id] = s
+        return s
+
+    # ---- session operations --------------------------------------------------------------
+    async def create(self, model: str | None, text: str | None, tokens: list[int] | None, owner: str = "",
+                     ephemeral: bool = False) -> Session:
         eng = self.engine(model)
         ids = self.tokens_of(eng, text, tokens)
-        s = self.sessions.add(Session(new_id("sess"), eng.name, await self._alloc(eng), owner))
-        with self.sessions.hold(s.id, owner):
+        s = await self._new(eng, owner, ephemeral=ephemeral)
+        try:
             await self.push(s, ids)
+        finally:
+            s.busy = False
         return s
 
     async def push(self, s: Session, ids: list[int], logprobs: int | None = None):
-        """Advance the session over ids (chunked prefill, interleaved with others' decode)."""
+        """Advance the session over ids (chunked prefill, interleaved with others' decode), then
+        persist it."""
         eng = self.engines[s.model]
         t0 = time.perf_counter()
         job = await eng.prefill(s.slot, ids, logprobs) if ids else None
         s.tokens.extend(ids)
         self.metrics.prompt_tokens.labels(s.model).inc(len(ids))
-        return 1000 * (time.perf_counter() - t0), job
+        ms = 1000 * (time.perf_counter() - t0)
+        await self.persist(s)
+        return ms, job
 
     def generate(self, s: Session, params: SamplingParams, logprobs: int | None = None) -> Job:
-        """Submit a generation; the session stays busy until the engine has consumed the last
-        token the client received (Job.on_finish)."""
+        """Submit a generation. The session stays busy until `finish_generation` has persisted
+        the state over exactly the tokens the client received."""
         if s.position == 0:
             raise APIError(400, "empty_session", "the session holds no tokens yet: push a prompt first")
         eng = self.engines[s.model]
@@ -163,13 +257,23 @@ class Runtime:
         self.streams[s.owner] += 1
 
         def finished(j: Job):  # engine thread
-            s.busy = False
-            s.last_used_at = time.time()
             self.streams[s.owner] -= 1
             self.buckets.spend(s.owner, j.emitted)
         job = Job(s.slot, params, asyncio.get_running_loop(), logprobs, finished)
         eng.submit(job)
         return job
+
+    async def finish_generation(self, job: Job, s: Session) -> None:
+        """After the engine has finished the job: persist, then release the session (an
+        ephemeral one, made for a single OpenAI request, is deleted instead)."""
+        try:
+            await job.finished.wait()
+            await self.persist(s)
+        finally:
+            s.busy = False
+            s.last_used_at = time.time()
+            if s.ephemeral:
+                await self.delete(s)
 
     def admit(self, eng: Engine, owner: str) -> None:
         """Admission control: a bounded queue per model, optional per-key limits."""
@@ -194,7 +298,21 @@ class Runtime:
 
     async def snapshot(self, s: Session) -> Snapshot:
         blob = await self.state_blob(s)
-        return self.sessions.add_snapshot(Snapshot(new_id("snap"), s.model, blob, s.position, s.owner))
+        snap = Snapshot(new_id("snap"), s.model, s.position, s.owner)
+        await self.store.put(f"snap/{snap.id}", encode_record(snap.meta(), blob), self.settings.snapshot_ttl or None)
+        return snap, len(blob)
+
+    async def restore_snapshot(self, snapshot_id: str, owner: str) -> Session:
+        try:
+            rec = await self.store.get(f"snap/{snapshot_id}")
+        except ValueError:
+            rec = None
+        except StoreError as e:
+            raise APIError(500, "store_damaged", f"snapshot {snapshot_id!r} is damaged: {e}") from None
+        meta = decode_record(rec)[0] if rec else None
+        if meta is None or meta["owner"] != owner:
+            raise not_found("snapshot", snapshot_id)
+        return await self.restore(decode_record(rec)[1], meta["model"], owner)
 
     async def restore(self, blob: bytes, model: str | None = None, owner: str = "") -> Session:
         eng = self.engine(model) if model else self._engine_for_blob(blob)
@@ -207,8 +325,12 @@ class Runtime:
                 or int(start[0]) + len(tokens) != pos or int(start[0]) < 0
                 or (len(tokens) and not bool(((tokens >= 0) & (tokens < eng.model.cfg.vocab_size)).all()))):
             raise SnapshotCorrupt("the blob's history does not match its position or vocabulary")
-        s = Session(new_id("sess"), eng.name, await self._alloc(eng, state), owner, tokens.tolist(), int(start[0]))
-        return self.sessions.add(s)
+        s = await self._new(eng, owner, state, tokens.tolist(), int(start[0]))
+        try:
+            await self.persist(s)
+        finally:
+            s.busy = False
+        return s
 
     def _engine_for_blob(self, blob: bytes) -> Engine:
         """The served model whose fingerprint the blob names (restoring needs no model field)."""
@@ -224,13 +346,34 @@ class Runtime:
 
     async def fork(self, s: Session) -> Session:
         eng = self.engines[s.model]
+        state = await eng.call(lambda: eng.read(s.slot))
+        child = await self._new(eng, s.owner, state, s.tokens, s.history_start)
         try:
-            slot = await eng.call(lambda: eng.fork(s.slot))
-        except RuntimeError:
-            raise APIError(503, "at_capacity", "no room for another session", headers={"Retry-After": "1"}) from None
-        return self.sessions.add(Session(new_id("sess"), s.model, slot, s.owner, list(s.tokens), s.history_start))
+            await self.persist(child)
+        finally:
+            child.busy = False
+        return child
 
     async def delete(self, s: Session) -> None:
-        self.sessions.pop(s.id)
-        eng = self.engines[s.model]
-        await eng.call(lambda: eng.release(s.slot))
+        self.sessions.pop(s.id, None)
+        if s.slot is not None:
+            eng, slot = self.engines[s.model], s.slot
+            s.slot = None
+            await eng.call(lambda: eng.release(slot))  # noqa: B023  (awaited at once)
+        if not s.ephemeral:
+            await self.store.delete(f"sess/{s.id}")
+
+    async def _sweep(self):
+        """Expire sessions idle for longer than session_ttl (the store expires their records too)."""
+        ttl = self.settings.session_ttl
+        while True:
+            await asyncio.sleep(min(5.0, max(0.05, ttl / 4)))
+            now = time.time()
+            for s in [s for s in list(self.sessions.values()) if not s.busy and now - s.last_used_at > ttl]:
+                self.sessions.pop(s.id, None)
+                if s.slot is not None:
+                    eng, slot = self.engines[s.model], s.slot
+                    s.slot = None
+                    await eng.call(lambda: eng.release(slot))  # noqa: B023  (awaited at once)
+                await self.store.delete(f"sess/{s.id}")
+                self.metrics.expired.labels(s.model).inc()

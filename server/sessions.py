@@ -1,13 +1,14 @@
-"""Sessions and snapshots: bookkeeping only. Tensors stay in the engine's slot pool."""
+"""Sessions and snapshots: bookkeeping only. Tensors stay in the engine's slot pool; a session's
+durable form is a store record (JSON metadata + the state blob, which carries the history)."""
 from __future__ import annotations
 
+import json
 import secrets
+import struct
 import time
-from collections import OrderedDict
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-from .errors import APIError, not_found
+MAGIC = b"LSREC1"
 
 
 def new_id(prefix: str) -> str:
@@ -18,78 +19,45 @@ def new_id(prefix: str) -> str:
 class Session:
     id: str
     model: str
-    slot: int
+    slot: int | None  # None: spilled, its state only in the store
     owner: str = ""  # key id of the creator ("" when API keys are off)
     tokens: list[int] = field(default_factory=list)  # history: pushed + sent, in order
     history_start: int = 0  # position of tokens[0]; > 0 when restored from a blob without history
     created_at: float = field(default_factory=time.time)
     last_used_at: float = field(default_factory=time.time)
     busy: bool = False
+    state_bytes: int = 0  # as of the last persist (for spilled sessions)
+    ephemeral: bool = False  # OpenAI requests' throwaway sessions are never persisted
 
     @property
     def position(self) -> int:
         return self.history_start + len(self.tokens)
+
+    def meta(self) -> dict:
+        return {"kind": "session", "id": self.id, "model": self.model, "owner": self.owner,
+                "created_at": self.created_at, "last_used_at": self.last_used_at}
 
 
 @dataclass
 class Snapshot:
     id: str
     model: str
-    blob: bytes
     position: int
     owner: str = ""
     created_at: float = field(default_factory=time.time)
 
+    def meta(self) -> dict:
+        return {"kind": "snapshot", **asdict(self)}
 
-class Sessions:
-    def __init__(self, snapshot_limit: int):
-        self.by_id: dict[str, Session] = {}
-        self.snapshots: OrderedDict[str, Snapshot] = OrderedDict()
-        self.snapshot_limit = snapshot_limit
 
-    def add(self, s: Session) -> Session:
-        self.by_id[s.id] = s
-        return s
+def encode_record(meta: dict, blob: bytes) -> bytes:
+    head = json.dumps(meta, sort_keys=True).encode()
+    return MAGIC + struct.pack("<I", len(head)) + head + blob
 
-    def get(self, id: str, owner: str = "") -> Session:
-        s = self.by_id.get(id)
-        if s is None or s.owner != owner:  # someone else's session looks exactly like none
-            raise not_found("session", id)
-        return s
 
-    def owned(self, owner: str) -> list[Session]:
-        return [s for s in list(self.by_id.values()) if s.owner == owner]
-
-    def pop(self, id: str) -> Session:
-        return self.by_id.pop(id)
-
-    @contextmanager
-    def hold(self, id: str, owner: str = "", release: bool = True):
-        """Exclusive use of a session for one request; a second one gets 409 at once.
-        release=False hands the release to whoever finishes the work (a generation's engine
-        job), except when the block itself fails."""
-        s = self.get(id, owner)
-        if s.busy:
-            raise APIError(409, "session_busy", f"session {id!r} is serving another request; retry when it ends")
-        s.busy = True
-        try:
-            yield s
-        except BaseException:
-            s.busy = False
-            raise
-        finally:
-            s.last_used_at = time.time()
-        if release:
-            s.busy = False
-
-    def add_snapshot(self, snap: Snapshot) -> Snapshot:
-        self.snapshots[snap.id] = snap
-        while len(self.snapshots) > self.snapshot_limit:
-            self.snapshots.popitem(last=False)
-        return snap
-
-    def snapshot(self, id: str, owner: str = "") -> Snapshot:
-        snap = self.snapshots.get(id)
-        if snap is None or snap.owner != owner:
-            raise not_found("snapshot", id)
-        return snap
+def decode_record(rec: bytes) -> tuple[dict, bytes]:
+    if not rec.startswith(MAGIC) or len(rec) < len(MAGIC) + 4:
+        raise ValueError("not a linstream store record")
+    (n,) = struct.unpack("<I", rec[len(MAGIC):len(MAGIC) + 4])
+    start = len(MAGIC) + 4
+    return json.loads(rec[start:start + n]), rec[start + n:]

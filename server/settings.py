@@ -30,7 +30,10 @@ class Settings(BaseSettings):
     graceful_shutdown_s: int = 30  # on SIGTERM: stop accepting, let streams finish this long
     lookahead: bool = True  # step a token while its event is being sent (rolled back if it never arrives)
     threads: int = 0  # torch intra-op threads; 0 = torch's default
-    snapshot_limit: int = 10000  # server-side snapshots kept (oldest dropped first)
+    # where snapshots and every session's latest state live: memory, disk:PATH or redis://HOST:PORT/DB
+    store: str = Field(default_factory=lambda: "disk:" + str(Path.home() / ".cache" / "linstream" / "store"))
+    session_ttl: float = 0.0  # seconds idle before a session expires (0 = never)
+    snapshot_ttl: float = 0.0  # seconds a snapshot is kept (0 = until deleted with the store)
     api_keys: list[str] = Field(default_factory=list)  # when set, every route but /healthz needs one
     api_key_file: Path | None = None  # one key per line; '#' starts a comment
     metrics_public: bool = False  # serve /metrics without a key

@@ -6,6 +6,7 @@ then lets the state consume it.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -15,13 +16,16 @@ from .engine import Engine, Job
 from .sessions import Session
 
 
-async def events(job: Job, eng: Engine, s: Session) -> AsyncIterator[tuple[str, dict]]:
-    """("token", {...}) per token, then ("done", {...}). Cancels the job if abandoned."""
+async def events(job: Job, eng: Engine, s: Session, rt) -> AsyncIterator[tuple[str, dict]]:
+    """("token", {...}) per token, then ("done", {...}) once the session is persisted and
+    released. An abandoned stream is cancelled and finished in the background."""
     start = s.position
     try:
         while True:
             kind, ev = await job.events.get()
             if kind == "done":
+                job.closing = rt._spawn(rt.finish_generation(job, s))
+                await asyncio.shield(job.closing)  # a disconnect now must not cut the persist short
                 n = job.yielded
                 yield "done", {"finish_reason": job.finish,
                                "usage": {"prompt_tokens": start, "completion_tokens": n, "total_tokens": start + n},
@@ -36,6 +40,8 @@ async def events(job: Job, eng: Engine, s: Session) -> AsyncIterator[tuple[str, 
         if job.finish is None or job.yielded < job.emitted:
             job.cancelled = True
             eng.wake()
+        if job.closing is None:
+            job.closing = rt._spawn(rt.finish_generation(job, s))
 
 
 def sse_response(gen, send_timeout: float) -> EventSourceResponse:
@@ -44,15 +50,15 @@ def sse_response(gen, send_timeout: float) -> EventSourceResponse:
     return EventSourceResponse(gen, ping=15, send_timeout=send_timeout)
 
 
-async def sse(job: Job, eng: Engine, s: Session):
-    async for kind, ev in events(job, eng, s):
+async def sse(job: Job, eng: Engine, s: Session, rt):
+    async for kind, ev in events(job, eng, s, rt):
         yield {"event": kind, "data": json.dumps(ev)}
     yield {"data": "[DONE]"}
 
 
-async def collect(job: Job, eng: Engine, s: Session) -> dict:
+async def collect(job: Job, eng: Engine, s: Session, rt) -> dict:
     toks, text, lps = [], [], []
-    async for kind, ev in events(job, eng, s):
+    async for kind, ev in events(job, eng, s, rt):
         if kind == "token":
             toks.append(ev["token"])
             text.append(ev["text"])

@@ -1,8 +1,13 @@
+import os
+
 import pytest
 import torch
 
 from model.config import PRESETS
 from model.lm import LM
+
+# tests use an in-memory store unless they ask for another (the default is a directory in $HOME)
+os.environ.setdefault("LINSTREAM_STORE", "memory")
 
 TINY = ["tiny-linear", "tiny-softmax", "tiny-mamba"]
 

@@ -56,20 +56,21 @@ def chat_prompt(messages: list[Message]) -> str:
 
 
 async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | None, logprobs: int | None):
-    """Open or continue the session, push the prompt, start generating. -> (session, job, echo, temp)"""
+    """Open or continue the session, push the prompt, start generating. -> (session, engine, job,
+    prompt ids, echo logprobs, temp). A temporary session is deleted once its generation ends."""
     if req.session_id:
-        s = rt.sessions.get(req.session_id, owner)
+        s = await rt.find(req.session_id, owner)
         if req.model and req.model != s.model:
             raise APIError(400, "invalid_request", f"session {s.id!r} runs model {s.model!r}")
         temp = False
     else:
-        s = await rt.create(req.model, None, None, owner)
+        s = await rt.create(req.model, None, None, owner, ephemeral=True)
         temp = True
     eng = rt.engines[s.model]
     params = sampling_params(req, rt)
     ids = rt.tokens_of(eng, text, None) if isinstance(text, str) else rt.tokens_of(eng, None, text)
     try:
-        with rt.sessions.hold(s.id, owner, release=False):
+        async with rt.use(s.id, owner, release=False):
             start = s.position
             _, pre = await rt.push(s, ids, echo_logprobs)
             echo = None
@@ -102,38 +103,27 @@ def _logprobs_obj(tok, entries):
 async def completions(req: Completion, rt: RT, owner: Owner):
     want = req.logprobs
     s, eng, job, ids, echo, temp = await _run(rt, req, owner, req.prompt, want if req.echo else None, want)
-    cid, created = f"cmpl-{s.id[5:21]}", int(time.time())
-    base = {"id": cid, "object": "text_completion", "created": created, "model": s.model}
+    base = {"id": f"cmpl-{s.id[5:21]}", "object": "text_completion", "created": int(time.time()), "model": s.model}
     prefix = eng.tok.decode(ids) if req.echo else ""
-
-    async def finish():
-        if temp:
-            await rt.delete(s)
 
     if req.stream:
         async def gen():
-            try:
-                if prefix:
-                    yield {"data": json.dumps({**base, "choices": [{"index": 0, "text": prefix, "finish_reason": None,
-                                                                    "logprobs": None}]})}
-                async for kind, ev in events(job, eng, s):
-                    if kind == "token":
-                        lp = _logprobs_obj(eng.tok, [(ev["token"], *ev["logprobs"])]) if "logprobs" in ev else None
-                        choice = {"index": 0, "text": ev["text"], "finish_reason": None, "logprobs": lp}
-                    else:
-                        choice = {"index": 0, "text": "", "finish_reason": _finish(ev["finish_reason"]), "logprobs": None}
-                    yield {"data": json.dumps({**base, "choices": [choice]})}
-                    if kind == "done":
-                        yield {"data": json.dumps({**base, "choices": [], "usage": ev["usage"]})}
-                yield {"data": "[DONE]"}
-            finally:
-                await finish()
+            if prefix:
+                yield {"data": json.dumps({**base, "choices": [{"index": 0, "text": prefix, "finish_reason": None,
+                                                                "logprobs": None}]})}
+            async for kind, ev in events(job, eng, s, rt):
+                if kind == "token":
+                    lp = _logprobs_obj(eng.tok, [(ev["token"], *ev["logprobs"])]) if "logprobs" in ev else None
+                    choice = {"index": 0, "text": ev["text"], "finish_reason": None, "logprobs": lp}
+                else:
+                    choice = {"index": 0, "text": "", "finish_reason": _finish(ev["finish_reason"]), "logprobs": None}
+                yield {"data": json.dumps({**base, "choices": [choice]})}
+                if kind == "done":
+                    yield {"data": json.dumps({**base, "choices": [], "usage": ev["usage"]})}
+            yield {"data": "[DONE]"}
         return sse_response(gen(), rt.settings.stream_send_timeout)
 
-    try:
-        done = await collect(job, eng, s)
-    finally:
-        await finish()
+    done = await collect(job, eng, s, rt)
     lp = None
     if want is not None:
         lps = [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))]
@@ -151,33 +141,23 @@ def _finish(reason: str) -> str:
 async def chat(req: Chat, rt: RT, owner: Owner):
     req.max_tokens = req.max_completion_tokens or req.max_tokens or 64
     s, eng, job, _, _, temp = await _run(rt, req, owner, chat_prompt(req.messages), None, None)
-    cid, created = f"chatcmpl-{s.id[5:21]}", int(time.time())
-    base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": s.model}
-
-    async def finish():
-        if temp:
-            await rt.delete(s)
+    base = {"id": f"chatcmpl-{s.id[5:21]}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": s.model}
 
     if req.stream:
         async def gen():
-            try:
-                yield {"data": json.dumps({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                                "finish_reason": None}]})}
-                async for kind, ev in events(job, eng, s):
-                    if kind == "token":
-                        choice = {"index": 0, "delta": {"content": ev["text"]}, "finish_reason": None}
-                    else:
-                        choice = {"index": 0, "delta": {}, "finish_reason": _finish(ev["finish_reason"])}
-                    yield {"data": json.dumps({**base, "choices": [choice]})}
-                yield {"data": "[DONE]"}
-            finally:
-                await finish()
+            yield {"data": json.dumps({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                            "finish_reason": None}]})}
+            async for kind, ev in events(job, eng, s, rt):
+                if kind == "token":
+                    choice = {"index": 0, "delta": {"content": ev["text"]}, "finish_reason": None}
+                else:
+                    choice = {"index": 0, "delta": {}, "finish_reason": _finish(ev["finish_reason"])}
+                yield {"data": json.dumps({**base, "choices": [choice]})}
+            yield {"data": "[DONE]"}
         return sse_response(gen(), rt.settings.stream_send_timeout)
 
-    try:
-        done = await collect(job, eng, s)
-    finally:
-        await finish()
+    done = await collect(job, eng, s, rt)
     return {**base, "object": "chat.completion",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": done["text"]},
                          "finish_reason": _finish(done["finish_reason"])}],

@@ -28,7 +28,7 @@ async def create(req: CreateSession, rt: RT, owner: Owner):
 
 @router.get("")
 async def list_sessions(rt: RT, owner: Owner):
-    return {"data": [rt.describe(s) for s in rt.sessions.owned(owner)]}
+    return {"data": [rt.describe(s) for s in rt.owned(owner)]}
 
 
 RESTORE_BODY = {"requestBody": {"required": True, "content": {
@@ -47,8 +47,7 @@ async def restore(request: Request, rt: RT, owner: Owner):
             req = Restore.model_validate_json(await request.body())
         except ValueError as e:
             raise APIError(422, "invalid_request", str(e)) from None
-        snap = rt.sessions.snapshot(req.snapshot_id, owner)
-        s = await rt.restore(snap.blob, snap.model, owner)
+        s = await rt.restore_snapshot(req.snapshot_id, owner)
     elif ctype.startswith("application/octet-stream"):
         s = await rt.restore(await request.body(), request.query_params.get("model"), owner)
     else:
@@ -59,12 +58,12 @@ async def restore(request: Request, rt: RT, owner: Owner):
 
 @router.get("/{sid}")
 async def get(sid: str, owner: Owner, rt: RT):
-    return rt.describe(rt.sessions.get(sid, owner))
+    return rt.describe(await rt.find(sid, owner))
 
 
 @router.get("/{sid}/history")
 async def history(sid: str, owner: Owner, rt: RT):
-    s = rt.sessions.get(sid, owner)
+    s = await rt.find(sid, owner)
     tok = rt.engines[s.model].tok
     return {"id": s.id, "position": s.position, "history_start": s.history_start,
             "tokens": list(s.tokens), "text": tok.decode(s.tokens)}
@@ -72,35 +71,34 @@ async def history(sid: str, owner: Owner, rt: RT):
 
 @router.post("/{sid}/push")
 async def push(sid: str, owner: Owner, req: Push, rt: RT):
-    s = rt.sessions.get(sid, owner)
+    s = await rt.find(sid, owner)
     ids = rt.tokens_of(rt.engines[s.model], req.text, req.tokens)
-    with rt.sessions.hold(sid, owner):
+    async with rt.use(sid, owner):
         ms, _ = await rt.push(s, ids)
     return {"position": s.position, "prefill_ms": round(ms, 3), "tokens": len(ids)}
 
 
 @router.post("/{sid}/generate", responses=SSE)
 async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
-    s = rt.sessions.get(sid, owner)
     params = sampling_params(req, rt)
-    eng = rt.engines[s.model]
-    with rt.sessions.hold(sid, owner, release=False):  # the engine releases it when the state is final
+    async with rt.use(sid, owner, release=False) as s:  # released once the final state is persisted
         job = rt.generate(s, params, req.logprobs)
+    eng = rt.engines[s.model]
     if req.stream:
-        return sse_response(sse(job, eng, s), rt.settings.stream_send_timeout)
-    return await collect(job, eng, s)
+        return sse_response(sse(job, eng, s, rt), rt.settings.stream_send_timeout)
+    return await collect(job, eng, s, rt)
 
 
 @router.post("/{sid}/snapshot")
 async def snapshot(sid: str, owner: Owner, rt: RT):
-    with rt.sessions.hold(sid, owner) as s:
-        snap = await rt.snapshot(s)
-    return {"snapshot_id": snap.id, "position": snap.position, "bytes": len(snap.blob), "model": snap.model}
+    async with rt.use(sid, owner) as s:
+        snap, nbytes = await rt.snapshot(s)
+    return {"snapshot_id": snap.id, "position": snap.position, "bytes": nbytes, "model": snap.model}
 
 
 @router.get("/{sid}/state")
 async def state(sid: str, owner: Owner, rt: RT):
-    with rt.sessions.hold(sid, owner) as s:
+    async with rt.use(sid, owner) as s:
         blob = await rt.state_blob(s)
     return Response(blob, media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{sid}.safetensors"'})
@@ -108,13 +106,15 @@ async def state(sid: str, owner: Owner, rt: RT):
 
 @router.post("/{sid}/fork", status_code=201)
 async def fork(sid: str, owner: Owner, rt: RT):
-    with rt.sessions.hold(sid, owner) as s:
+    async with rt.use(sid, owner) as s:
         child = await rt.fork(s)
     return rt.describe(child)
 
 
 @router.delete("/{sid}", status_code=204)
 async def delete(sid: str, owner: Owner, rt: RT):
-    with rt.sessions.hold(sid, owner) as s:
-        await rt.delete(s)
+    s = await rt.find(sid, owner)
+    if s.busy:
+        raise APIError(409, "session_busy", f"session {sid!r} is serving another request; retry when it ends")
+    await rt.delete(s)
     return Response(status_code=204)

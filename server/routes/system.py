@@ -9,7 +9,7 @@ router = APIRouter(tags=["system"])
 
 @router.get("/healthz")
 async def healthz(rt: RT):
-    return {"status": "ok", "models": sorted(rt.engines), "sessions": len(rt.sessions.by_id)}
+    return {"status": "ok", "models": sorted(rt.engines), "sessions": len(rt.sessions)}
 
 
 @router.get("/metrics")
