@@ -21,6 +21,8 @@ def serve(
     port: Annotated[Optional[int], typer.Option(help="port [env LINSTREAM_PORT]")] = None,
     max_sessions: Annotated[Optional[int], typer.Option(help="sessions in memory per recurrent model")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (0 = default)")] = None,
+    store: Annotated[Optional[str], typer.Option(help="memory | disk:PATH | redis://HOST:PORT/DB [env LINSTREAM_STORE]")] = None,
+    session_ttl: Annotated[Optional[float], typer.Option(help="seconds idle before a session expires (0 = never)")] = None,
     api_key: Annotated[Optional[list[str]], typer.Option(help="require this bearer key (repeatable)")] = None,
     api_key_file: Annotated[Optional[str], typer.Option(help="file with one key per line")] = None,
     log_level: Annotated[str, typer.Option()] = "info",
@@ -31,8 +33,8 @@ def serve(
     from server.app import create_app
     from server.settings import Settings
     given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
-             "api_keys": api_key, "api_key_file": api_key_file}
-    settings = Settings(**{k: v for k, v in given.items() if v})
+             "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl}
+    settings = Settings(**{k: v for k, v in given.items() if v is not None and v != []})
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level,
                 timeout_graceful_shutdown=settings.graceful_shutdown_s)
 
