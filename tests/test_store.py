@@ -124,7 +124,7 @@ def test_sigkill_mid_stream_then_restart_continues_every_acknowledged_session(tm
         victim = httpx.post(srv.url + "/v1/sessions", json={"prompt": "The long one"}).json()
         with httpx.stream("POST", f"{srv.url}/v1/sessions/{victim['id']}/generate",
                           json={"max_tokens": 3000, "temperature": 0}, timeout=30) as r:
-            for n, line in enumerate(r.iter_lines()):
+            for n, _ in enumerate(r.iter_lines()):
                 if n == 8:
                     os.kill(srv.proc.pid, signal.SIGKILL)  # mid-stream, no chance to clean up
                     break
