@@ -131,9 +131,10 @@ class State:
         tensors = {f"layers.{i}.{n}": t.contiguous() for i, layer in enumerate(s.layers) for n, t in layer.items()}
         tensors["next_logits"] = s.next_logits.contiguous()
         tensors.update({f"extra.{k}": v.contiguous() for k, v in (extra or {}).items()})
-        meta = {"format": FORMAT, "version": str(VERSION), "fingerprint": fingerprint, "sha256": _digest(tensors),
+        meta = {"format": FORMAT, "version": str(VERSION), "fingerprint": fingerprint,
                 "position": str(int(s.position[0])), "dtype": str(next(iter(tensors.values())).dtype),
                 "shapes": json.dumps({k: list(t.shape) for k, t in tensors.items()}, sort_keys=True)}
+        meta["sha256"] = _digest(tensors, meta)
         return st_save(tensors, metadata=meta)
 
     @classmethod
@@ -159,7 +160,7 @@ class State:
             raise SnapshotCorrupt(f"unreadable state blob: {e}") from None
         if pos < 0:
             raise SnapshotCorrupt("negative position")
-        if meta.get("sha256") != _digest(tensors):
+        if meta.get("sha256") != _digest(tensors, meta):
             raise SnapshotCorrupt("checksum mismatch: the blob was altered or damaged")
 
         def take(key: str, like: Tensor, time_dim: int | None = None) -> Tensor:
@@ -186,8 +187,9 @@ class State:
         return cls(layers, torch.tensor([pos], dtype=torch.long), template.time_dims, logits), extra
 
 
-def _digest(tensors: dict[str, Tensor]) -> str:
-    h = hashlib.sha256()
+def _digest(tensors: dict[str, Tensor], meta: dict[str, str]) -> str:
+    """sha256 over every header field but itself and every tensor's name, dtype, shape and bytes."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "sha256"}, sort_keys=True).encode())
     for k in sorted(tensors):
         t = tensors[k]
         h.update(f"{k}:{t.dtype}:{list(t.shape)};".encode())

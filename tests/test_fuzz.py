@@ -66,7 +66,7 @@ def blobs(good: bytes, foreign: bytes):
         out = mutate(changed[key].clone())
         changed[key] = out if out is not None else changed[key]
         yield f"{name}", st_save(changed, metadata=meta)  # stale checksum: refused either way
-        yield f"{name}-rechecksummed", st_save(changed, metadata={**meta, "sha256": _digest(changed)})
+        yield f"{name}-rechecksummed", st_save(changed, metadata={**meta, "sha256": _digest(changed, meta)})
 
 
 def test_blob_fuzzer(server):
