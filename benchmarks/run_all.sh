@@ -4,10 +4,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=benchmarks/results
 mkdir -p $out
-python -m model.bench --threads 2 --out $out/model_bench.json | tee $out/model_bench.txt
+python -m model.bench --threads 1 --out $out/model_bench.json | tee $out/model_bench.txt
 python benchmarks/models_table.py | tee $out/models_table.md
 port=8100
-linstream serve -m linear -m mamba -m softmax --port $port --threads 1 --store memory --log-level warning &
+LINSTREAM_MAX_KV_SESSIONS=2 linstream serve -m linear -m mamba -m softmax --port $port --threads 1 --store memory \
+    --log-level warning &
 srv=$!
 trap 'kill $srv' EXIT
 until curl -sf http://127.0.0.1:$port/healthz >/dev/null; do sleep 0.5; done

@@ -90,6 +90,17 @@ class State:
                       for i, layer in enumerate(self.layers)],
                      self.position.index_select(0, idx), self.time_dims, self.next_logits.index_select(0, idx))
 
+    def reserve(self, length: int) -> None:
+        """Make every growing (KV) tensor hold at least `length` positions, doubling, so that
+        steps write in place instead of reallocating a row and then the whole batch."""
+        for i, layer in enumerate(self.layers):
+            for n, d in self.time_dims[i].items():
+                t = layer[n]
+                if t.shape[d] < length:
+                    grown = t.new_zeros(*t.shape[:d], max(length, 2 * t.shape[d]), *t.shape[d + 1:])
+                    grown.narrow(d, 0, t.shape[d]).copy_(t)
+                    layer[n] = grown
+
     def assign(self, rows: list[int], other: "State") -> None:
         """Write `other` (len(rows) rows) into these rows, growing KV capacity when needed."""
         idx = torch.tensor(rows, dtype=torch.long, device=self.position.device)

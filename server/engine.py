@@ -250,6 +250,7 @@ class Engine:
             saved = self.pool.copy_rows([j.slot for j in early], with_growing=False)
             for i, j in enumerate(early):
                 j.saved = (saved, i)
+        self.pool.reserve(int(self.pool.position[rows].max()) + 1)  # KV caches: grow once, ahead
         st = self.pool.select(rows)
         t0 = time.perf_counter()
         logits, new = self.model.step(torch.tensor([j.pending for j in step]), st)

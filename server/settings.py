@@ -17,7 +17,7 @@ class Settings(BaseSettings):
     # model names (directories under model/weights) or checkpoint paths; the first is the default
     models: list[str] = Field(default_factory=lambda: ["linear"])
     max_sessions: int = 1024  # recurrent models: sessions held in memory (state slots)
-    max_kv_sessions: int = 16  # KV-cache models: their slots grow with context, so fewer
+    max_kv_sessions: int = 4  # KV-cache models: every slot's cache grows to the longest context held
     max_prompt_tokens: int = 65536  # per create/push/completion request
     max_new_tokens: int = 4096  # per generate request
     max_body_bytes: int = 16 << 20  # request bodies (state blobs included)
