@@ -13,7 +13,8 @@ from .helpers import ServerProcess, make_checkpoint
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
-    srv = ServerProcess([str(make_checkpoint(d, "tiny-linear")), str(make_checkpoint(d, "tiny-softmax"))])
+    srv = ServerProcess([str(make_checkpoint(d, "tiny-linear")), str(make_checkpoint(d, "tiny-softmax"))],
+                        {"LINSTREAM_MAX_KV_SESSIONS": "8"})
     yield srv
     srv.stop()
 
