@@ -1,0 +1,88 @@
+"""Snapshot and restore latency for the shipped default model: in-process (state to and from
+bytes) and over HTTP (POST snapshot, POST restore) for each store. Starts its own servers.
+
+    python benchmarks/snapshot_bench.py --out benchmarks/results/snapshot.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from model.bench import WEIGHTS, state_at
+from model.lm import LM
+from model.state import State
+
+
+def ms(f, n=30) -> float:
+    f()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return round(1000 * statistics.median(ts), 3)
+
+
+def port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def over_http(store: str, n: int) -> dict:
+    p = port()
+    url = f"http://127.0.0.1:{p}"
+    srv = subprocess.Popen([sys.executable, "-m", "clients", "serve", "--port", str(p), "--threads", "1",
+                            "--store", store, "--log-level", "warning"])
+    try:
+        for _ in range(300):
+            try:
+                httpx.get(url + "/healthz", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        c = httpx.Client(base_url=url, timeout=60)
+        sid = c.post("/v1/sessions", json={"tokens": [7] * 128}).json()["id"]
+        snaps = []
+        snap_ms = ms(lambda: snaps.append(c.post(f"/v1/sessions/{sid}/snapshot").json()["snapshot_id"]), n)
+        restored = []
+        restore_ms = ms(lambda: restored.append(c.post("/v1/sessions/restore", json={"snapshot_id": snaps[-1]}).json()["id"]), n)
+        nbytes = c.post(f"/v1/sessions/{sid}/snapshot").json()["bytes"]
+        return {"store": store.split(":")[0], "snapshot_ms": snap_ms, "restore_ms": restore_ms, "snapshot_bytes": nbytes}
+    finally:
+        srv.terminate()
+        srv.wait(30)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--redis", default=None, help="redis://... to include the Redis store")
+    ap.add_argument("--n", type=int, default=30)
+    ap.add_argument("--out", default="benchmarks/results/snapshot.json")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    m = LM.load(WEIGHTS / "linear")
+    s = state_at(m, 128)
+    blob = s.to_bytes(m.fingerprint)
+    res = {"in_process": {"to_bytes_ms": ms(lambda: s.to_bytes(m.fingerprint), a.n),
+                          "from_bytes_ms": ms(lambda: State.from_bytes(blob, m.init_state(1), m.fingerprint), a.n),
+                          "bytes": len(blob)}, "http": []}
+    stores = ["memory", f"disk:{tempfile.mkdtemp()}"] + ([a.redis] if a.redis else [])
+    for st in stores:
+        res["http"].append(over_http(st, a.n))
+    print(json.dumps(res, indent=2))
+    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
