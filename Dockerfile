@@ -10,7 +10,10 @@ COPY pyproject.toml README.md ./
 COPY model ./model
 COPY server ./server
 COPY clients ./clients
-RUN pip install .
+RUN pip install . && mkdir -p /data && chown nobody /data
+# sessions and snapshots persist here; mount a volume to keep them across containers
+ENV LINSTREAM_STORE=disk:/data/store
+VOLUME /data
 EXPOSE 8000
 USER nobody
 CMD ["linstream", "serve", "--host", "0.0.0.0", "--port", "8000"]
