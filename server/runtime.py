@@ -63,7 +63,7 @@ class Runtime:
         for e in self.engines.values():
             e.start()
         if self.settings.session_ttl:
-            self._spawn(self._sweep())
+            self.spawn(self._sweep())
 
     async def stop(self):
         for t in list(self.background):
@@ -72,7 +72,7 @@ class Runtime:
             e.stop()
         await self.store.close()
 
-    def _spawn(self, coro):
+    def spawn(self, coro):
         t = asyncio.create_task(coro)
         self.background.add(t)
         t.add_done_callback(self.background.discard)

@@ -1,8 +1,8 @@
 """From an engine Job to what the client sees: SSE events or one JSON body.
 
 The handler is the only writer of a session's history: it appends a token once the event
-carrying it has been handed to the response, then tells the engine (Job.yielded), which only
-then lets the state consume it.
+carrying it has been handed to the response, then tells the engine (Job.yielded). The engine may
+already have stepped that token (lookahead), and rolls it back if it is never handed over.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ async def events(job: Job, eng: Engine, s: Session, rt) -> AsyncIterator[tuple[s
         while True:
             kind, ev = await job.events.get()
             if kind == "done":
-                job.closing = rt._spawn(rt.finish_generation(job, s))
+                job.closing = rt.spawn(rt.finish_generation(job, s))
                 await asyncio.shield(job.closing)  # a disconnect now must not cut the persist short
                 n = job.yielded
                 yield "done", {"finish_reason": job.finish,
@@ -41,7 +41,7 @@ async def events(job: Job, eng: Engine, s: Session, rt) -> AsyncIterator[tuple[s
             job.cancelled = True
             eng.wake()
         if job.closing is None:
-            job.closing = rt._spawn(rt.finish_generation(job, s))
+            job.closing = rt.spawn(rt.finish_generation(job, s))
 
 
 def sse_response(gen, send_timeout: float) -> EventSourceResponse:
