@@ -66,8 +66,10 @@ class Runtime:
             self.spawn(self._sweep())
 
     async def stop(self):
-        for t in list(self.background):
+        tasks = list(self.background)
+        for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for e in self.engines.values():
             e.stop()
         await self.store.close()
