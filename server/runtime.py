@@ -28,6 +28,7 @@ from model.tokenizer import Tokenizer
 from .auth import Keys, load_keys
 from .engine import Engine, Job
 from .errors import APIError, not_found
+from .leases import Leases
 from .limits import TokenBuckets
 from .metrics import Metrics
 from .sessions import Session, Snapshot, decode_record, encode_record, new_id
@@ -46,6 +47,7 @@ class Runtime:
         self.streams: Counter[str] = Counter()  # generations in flight per owner
         self.buckets = TokenBuckets(settings.tokens_per_minute_per_key)
         self.background: set[asyncio.Task] = set()
+        self.leases = Leases(settings.store, settings.replica_lease) if settings.store.startswith(("redis", "unix")) else None
         if settings.threads:
             torch.set_num_threads(settings.threads)
         for name in settings.models:
@@ -64,6 +66,8 @@ class Runtime:
             e.start()
         if self.settings.session_ttl:
             self.spawn(self._sweep())
+        if self.leases:
+            self.spawn(self._renew_leases())
 
     async def stop(self):
         tasks = list(self.background)
@@ -73,6 +77,8 @@ class Runtime:
         for e in self.engines.values():
             e.stop()
         await self.store.close()
+        if self.leases:
+            await self.leases.close()
 
     def spawn(self, coro):
         t = asyncio.create_task(coro)
@@ -135,6 +141,8 @@ class Runtime:
             s = await self._load(sid)
         if s is None or s.owner != owner:
             raise not_found("session", sid)
+        if self.leases and not s.busy:
+            await self._refresh_if_stale(s)
         return s
 
     async def _load(self, sid: str) -> Session | None:
@@ -168,15 +176,55 @@ class Runtime:
             raise APIError(409, "session_busy", f"session {sid!r} is serving another request; retry when it ends")
         s.busy = True
         try:
+            await self._lease(s)
             await self._make_resident(s)
             yield s
         except BaseException:
-            s.busy = False
+            await self._release(s)
             raise
         finally:
             s.last_used_at = time.time()
         if release:
-            s.busy = False
+            await self._release(s)
+
+    async def _lease(self, s: Session) -> None:
+        """With replicas: take the session's lease, and drop a resident copy another replica
+        has since moved past (the store's version is newer)."""
+        if not self.leases or s.ephemeral:
+            return
+        holder = await self.leases.acquire(s.id)
+        if holder is not None:
+            raise APIError(409, "session_owned_elsewhere",
+                           f"session {s.id!r} is being served by replica {holder!r}; retry shortly",
+                           headers={"Retry-After": "1"})
+        await self._refresh_if_stale(s)
+
+    async def _refresh_if_stale(self, s: Session) -> None:
+        """Another replica moved the session on: drop our copy, take its history from the store
+        (the state follows in _make_resident)."""
+        if s.ephemeral or await self.leases.version(s.id) == s.version:
+            return
+        if s.slot is not None:
+            eng, slot = self.engines[s.model], s.slot
+            s.slot = None
+            await eng.call(lambda: eng.release(slot))
+        rec = await self.store.get(f"sess/{s.id}")
+        if rec is None:
+            self.sessions.pop(s.id, None)
+            raise not_found("session", s.id)
+        eng = self.engines[s.model]
+        _, extra = State.from_bytes_with_extra(decode_record(rec)[1], eng.empty, eng.model.fingerprint)
+        s.tokens, s.history_start = extra["history"].tolist(), int(extra["history_start"][0])
+
+    async def _release(self, s: Session) -> None:
+        s.busy = False
+        if self.leases and not s.ephemeral:
+            await self.leases.release(s.id)
+
+    async def _renew_leases(self):
+        while True:
+            await asyncio.sleep(self.leases.ttl_ms / 3000)
+            await self.leases.renew([s.id for s in list(self.sessions.values()) if s.busy and not s.ephemeral])
 
     async def _make_resident(self, s: Session) -> None:
         if s.slot is not None:
@@ -186,7 +234,10 @@ class Runtime:
             self.sessions.pop(s.id, None)
             raise not_found("session", s.id)
         eng = self.engines[s.model]
-        state = State.from_bytes(decode_record(rec)[1], eng.empty, eng.model.fingerprint)
+        state, extra = State.from_bytes_with_extra(decode_record(rec)[1], eng.empty, eng.model.fingerprint)
+        s.tokens, s.history_start = extra["history"].tolist(), int(extra["history_start"][0])  # the record is the truth
+        if self.leases:
+            s.version = await self.leases.version(s.id)
         s.slot = await self._alloc(eng, state)
         self.metrics.reloads.labels(s.model).inc()
 
@@ -217,6 +268,8 @@ class Runtime:
         s.state_bytes = self.engines[s.model].row_nbytes(s.slot)
         ttl = self.settings.session_ttl or None
         await self.store.put(f"sess/{s.id}", encode_record(s.meta(), blob), ttl)
+        if self.leases:
+            s.version = await self.leases.bump(s.id)
 
     async def _new(self, eng: Engine, owner: str, state: State | None = None, tokens=(), start: int = 0,
                    ephemeral: bool = False) -> Session:
@@ -272,8 +325,8 @@ class Runtime:
             await job.finished.wait()
             await self.persist(s)
         finally:
-            s.busy = False
             s.last_used_at = time.time()
+            await self._release(s)
             if s.ephemeral:
                 await self.delete(s)
 

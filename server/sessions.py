@@ -28,6 +28,7 @@ class Session:
     busy: bool = False
     state_bytes: int = 0  # as of the last persist (for spilled sessions)
     ephemeral: bool = False  # OpenAI requests' throwaway sessions are never persisted
+    version: int = 0  # store version the resident copy matches (replicas on Redis)
 
     @property
     def position(self) -> int:

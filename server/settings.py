@@ -32,6 +32,7 @@ class Settings(BaseSettings):
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     # where snapshots and every session's latest state live: memory, disk:PATH or redis://HOST:PORT/DB
     store: str = Field(default_factory=lambda: "disk:" + str(Path.home() / ".cache" / "linstream" / "store"))
+    replica_lease: float = 10.0  # with a Redis store: seconds a replica's hold on a session outlives it
     session_ttl: float = 0.0  # seconds idle before a session expires (0 = never)
     snapshot_ttl: float = 0.0  # seconds a snapshot is kept (0 = until deleted with the store)
     api_keys: list[str] = Field(default_factory=list)  # when set, every route but /healthz needs one

@@ -145,10 +145,10 @@ class DiskStore:
 
 
 class RedisStore:
-    def __init__(self, url: str):
+    def __init__(self, url: str, prefix: str = "linstream:"):
         import redis.asyncio as redis
         self.r = redis.from_url(url)
-        self.prefix = "linstream:"
+        self.prefix = prefix
 
     async def put(self, key, value, ttl=None):
         await self.r.set(self.prefix + check_key(key), value, px=None if ttl is None else max(1, int(ttl * 1000)))

@@ -4,6 +4,7 @@ import asyncio
 import os
 import signal
 import time
+import uuid
 
 import httpx
 import pytest
@@ -22,7 +23,7 @@ def stores(tmp_path):
     yield MemoryStore()
     yield DiskStore(tmp_path / "store")
     if REDIS:
-        yield RedisStore(REDIS)
+        yield RedisStore(REDIS, prefix=f"test-{uuid.uuid4().hex}:")  # apart from other tests' keys
     elif os.environ.get("CI"):
         pytest.fail("CI must provide a Redis server (LINSTREAM_TEST_REDIS)")
 
@@ -141,3 +142,47 @@ def test_sigkill_mid_stream_then_restart_continues_every_acknowledged_session(tm
         assert httpx.get(f"{srv.url}/v1/sessions/{victim['id']}").json()["position"] == victim["position"]
     finally:
         srv.stop()
+
+
+def test_two_replicas_share_sessions_through_redis(tmp_path):
+    if not REDIS:
+        if os.environ.get("CI"):
+            pytest.fail("CI must provide a Redis server (LINSTREAM_TEST_REDIS)")
+        pytest.skip("no Redis server (LINSTREAM_TEST_REDIS)")
+    ckpt = make_checkpoint(tmp_path, "tiny-linear")
+    env = {"LINSTREAM_STORE": REDIS, "LINSTREAM_REPLICA_LEASE": "1.5"}
+    a, b = ServerProcess([str(ckpt)], env), ServerProcess([str(ckpt)], env)
+    try:
+        s = httpx.post(a.url + "/v1/sessions", json={"prompt": "Two houses, both alike"}).json()
+        blob = httpx.get(f"{a.url}/v1/sessions/{s['id']}/state").content
+        want = greedy_from_blob(ckpt, blob, 10)
+
+        def greedy(srv, n):
+            r = httpx.post(f"{srv.url}/v1/sessions/{s['id']}/generate",
+                           json={"stream": False, "temperature": 0, "max_tokens": n}, timeout=30)
+            assert r.status_code == 200, r.text
+            return r.json()["tokens"]
+        assert greedy(b, 5) == want[:5]  # B continues what A created
+        assert greedy(a, 5) == want[5:]  # and A sees B's tokens: its stale copy is replaced
+        assert httpx.get(f"{b.url}/v1/sessions/{s['id']}").json()["position"] == s["position"] + 10
+        position = s["position"] + 10
+        # A holds the session mid-stream: B is told who has it; then A dies with the lease
+        with httpx.stream("POST", f"{a.url}/v1/sessions/{s['id']}/generate",
+                          json={"max_tokens": 3000, "temperature": 0}, timeout=30) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n == 6:
+                    held = httpx.post(f"{b.url}/v1/sessions/{s['id']}/push", json={"tokens": []})
+                    assert held.status_code == 409 and held.json()["error"]["type"] == "session_owned_elsewhere"
+                    os.kill(a.proc.pid, signal.SIGKILL)
+                    break
+        deadline = time.time() + 15
+        while time.time() < deadline:  # the dead replica's lease expires; B takes over
+            r = httpx.post(f"{b.url}/v1/sessions/{s['id']}/push", json={"tokens": []})
+            if r.status_code == 200:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 200 and r.json()["position"] == position  # last acknowledged state
+        assert greedy(b, 3) == greedy_from_blob(ckpt, blob, 13)[10:]
+    finally:
+        a.stop()
+        b.stop()
