@@ -145,7 +145,9 @@ class Runtime:
             await self._refresh_if_stale(s)
         return s
 
-    async def _load(self, sid: str) -> Session | None:
+    async def _read(self, sid: str) -> tuple[dict, State, dict] | None:
+        """A session's record from the store: (metadata, state, extras), None if there is none.
+        A damaged record is a clear 500 store_damaged, never a state loaded from it."""
         try:
             rec = await self.store.get(f"sess/{sid}")
         except ValueError:  # not a well-formed id: cannot exist
@@ -154,11 +156,24 @@ class Runtime:
             raise APIError(500, "store_damaged", f"the stored record of session {sid!r} is damaged: {e}") from None
         if rec is None:
             return None
-        meta, blob = decode_record(rec)
-        eng = self.engines.get(meta["model"])
-        if eng is None:
-            raise APIError(409, "model_not_served", f"session {sid!r} belongs to model {meta['model']!r}, not served here")
-        state, extra = State.from_bytes_with_extra(blob, eng.empty, eng.model.fingerprint)
+        try:
+            meta, blob = decode_record(rec)
+            eng = self.engines.get(meta["model"])
+            if eng is None:
+                raise APIError(409, "model_not_served", f"session {sid!r} belongs to model {meta['model']!r}, not served here")
+            state, extra = State.from_bytes_with_extra(blob, eng.empty, eng.model.fingerprint)
+            extra["history"], extra["history_start"]  # noqa: B018  (both must be there)
+        except APIError:
+            raise
+        except Exception as e:
+            raise APIError(500, "store_damaged", f"the stored record of session {sid!r} is damaged: {e}") from None
+        return meta, state, extra
+
+    async def _load(self, sid: str) -> Session | None:
+        got = await self._read(sid)
+        if got is None:
+            return None
+        meta, state, extra = got
         s = self.sessions.get(sid)  # another request may have loaded it meanwhile
         if s is None:
             s = Session(sid, meta["model"], None, meta["owner"], extra["history"].tolist(),
@@ -208,12 +223,11 @@ class Runtime:
             eng, slot = self.engines[s.model], s.slot
             s.slot = None
             await eng.call(lambda: eng.release(slot))
-        rec = await self.store.get(f"sess/{s.id}")
-        if rec is None:
+        got = await self._read(s.id)
+        if got is None:
             self.sessions.pop(s.id, None)
             raise not_found("session", s.id)
-        eng = self.engines[s.model]
-        _, extra = State.from_bytes_with_extra(decode_record(rec)[1], eng.empty, eng.model.fingerprint)
+        extra = got[2]
         s.tokens, s.history_start = extra["history"].tolist(), int(extra["history_start"][0])
 
     async def _release(self, s: Session) -> None:
@@ -229,12 +243,12 @@ class Runtime:
     async def _make_resident(self, s: Session) -> None:
         if s.slot is not None:
             return
-        rec = await self.store.get(f"sess/{s.id}")
-        if rec is None:
+        got = await self._read(s.id)
+        if got is None:
             self.sessions.pop(s.id, None)
             raise not_found("session", s.id)
+        _, state, extra = got
         eng = self.engines[s.model]
-        state, extra = State.from_bytes_with_extra(decode_record(rec)[1], eng.empty, eng.model.fingerprint)
         s.tokens, s.history_start = extra["history"].tolist(), int(extra["history_start"][0])  # the record is the truth
         if self.leases:
             s.version = await self.leases.version(s.id)

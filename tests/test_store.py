@@ -186,3 +186,20 @@ def test_two_replicas_share_sessions_through_redis(tmp_path):
     finally:
         a.stop()
         b.stop()
+
+
+@pytest.mark.asyncio
+async def test_damaged_record_is_a_clear_error(tmp_path):
+    ckpt = make_checkpoint(tmp_path, "tiny-linear")
+    app = create_app(Settings(models=[str(ckpt)], store="memory"))
+    async with app.router.lifespan_context(app):
+        rt = app.state.runtime
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            sid = (await c.post("/v1/sessions", json={"prompt": "x"})).json()["id"]
+            value, expiry = rt.store.data[f"sess/{sid}"]
+            rt.store.data[f"sess/{sid}"] = (value[:-40] + b"\x00" * 40, expiry)  # damage the state bytes
+            rt.sessions.pop(sid)  # as if another process, or a restart, had to read it back
+            r = await c.get(f"/v1/sessions/{sid}")
+            assert r.status_code == 500 and r.json()["error"]["type"] == "store_damaged"
+            assert "damaged" in r.json()["error"]["message"]
+            assert (await c.get("/healthz")).status_code == 200
