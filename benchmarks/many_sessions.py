@@ -1,7 +1,7 @@
 """Many sessions on one server with the disk store: create N sessions (more than the slots in
 memory), then resume a random sample, and report the server's resident memory and disk use.
 
-    python -m benchmarks.many_sessions --sessions 10000 --out benchmarks/results/many_sessions.json
+    python benchmarks/many_sessions.py --sessions 10000 --out benchmarks/results/many_sessions.json
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.soak import free_port, proc_stats
+from clients.local_server import LocalServer
 
 
 async def create_all(url: str, n: int, conc: int) -> list[str]:
@@ -41,21 +41,13 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/many_sessions.json")
     a = ap.parse_args()
     store = Path(tempfile.mkdtemp(prefix="linstream-store-"))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    srv = subprocess.Popen([sys.executable, "-m", "clients", "serve", "--port", str(port), "--threads", "1",
-                            "--store", f"disk:{store}", "--max-sessions", str(a.slots), "--log-level", "warning"])
+    srv = LocalServer([], None, "--store", f"disk:{store}", "--max-sessions", str(a.slots))
+    url = srv.url
     try:
-        for _ in range(300):
-            try:
-                httpx.get(url + "/healthz", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         t0 = time.perf_counter()
         ids = asyncio.run(create_all(url, a.sessions, 16))
         created_s = time.perf_counter() - t0
-        stats = proc_stats(srv.pid)
+        stats = srv.stats()
         ok = 0
         for sid in random.Random(0).sample(ids, a.sample):
             r = httpx.post(f"{url}/v1/sessions/{sid}/generate", json={"stream": False, "max_tokens": 2}, timeout=60)
@@ -63,10 +55,9 @@ def main():
         disk = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
         res = {"sessions": len(ids), "slots_in_memory": a.slots, "create_seconds": round(created_s, 1),
                "server_rss_bytes": stats["rss_bytes"], "store_bytes_on_disk": disk,
-               "sample_resumed": f"{ok}/{a.sample}", "command": "python -m benchmarks.many_sessions " + " ".join(sys.argv[1:])}
+               "sample_resumed": f"{ok}/{a.sample}", "command": "python benchmarks/many_sessions.py " + " ".join(sys.argv[1:])}
     finally:
-        srv.terminate()
-        srv.wait(30)
+        srv.stop()
         subprocess.run(["rm", "-rf", str(store)])
     print(json.dumps(res, indent=2))
     Path(a.out).write_text(json.dumps(res, indent=2) + "\n")

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,6 +15,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from clients.local_server import LocalServer
 from model.bench import WEIGHTS, state_at
 from model.lm import LM
 from model.state import State
@@ -33,35 +31,18 @@ def ms(f, n=30) -> float:
     return round(1000 * statistics.median(ts), 3)
 
 
-def port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def over_http(store: str, n: int) -> dict:
-    p = port()
-    url = f"http://127.0.0.1:{p}"
-    srv = subprocess.Popen([sys.executable, "-m", "clients", "serve", "--port", str(p), "--threads", "1",
-                            "--store", store, "--log-level", "warning"])
+    srv = LocalServer([], None, "--store", store)
     try:
-        for _ in range(300):
-            try:
-                httpx.get(url + "/healthz", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        c = httpx.Client(base_url=url, timeout=60)
+        c = httpx.Client(base_url=srv.url, timeout=60)
         sid = c.post("/v1/sessions", json={"tokens": [7] * 128}).json()["id"]
         snaps = []
         snap_ms = ms(lambda: snaps.append(c.post(f"/v1/sessions/{sid}/snapshot").json()["snapshot_id"]), n)
-        restored = []
-        restore_ms = ms(lambda: restored.append(c.post("/v1/sessions/restore", json={"snapshot_id": snaps[-1]}).json()["id"]), n)
+        restore_ms = ms(lambda: c.post("/v1/sessions/restore", json={"snapshot_id": snaps[-1]}), n)
         nbytes = c.post(f"/v1/sessions/{sid}/snapshot").json()["bytes"]
         return {"store": store.split(":")[0], "snapshot_ms": snap_ms, "restore_ms": restore_ms, "snapshot_bytes": nbytes}
     finally:
-        srv.terminate()
-        srv.wait(30)
+        srv.stop()
 
 
 def main():

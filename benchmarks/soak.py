@@ -9,9 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,35 +16,25 @@ from pathlib import Path
 import httpx
 
 from clients.loadtest import level
+from clients.local_server import LocalServer
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def proc_stats(pid: int) -> dict:
-    rss = next(int(ln.split()[1]) * 1024 for ln in open(f"/proc/{pid}/status") if ln.startswith("VmRSS"))
-    return {"rss_bytes": rss, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
-
-
-async def sample(pid: int, url: str, every: float, out: list, stop: asyncio.Event):
+async def sample(srv: LocalServer, every: float, out: list, stop: asyncio.Event):
     async with httpx.AsyncClient(timeout=10) as c:
         t0 = time.perf_counter()
         while not stop.is_set():
-            sessions = (await c.get(url + "/healthz")).json()["sessions"]
-            out.append({"t": round(time.perf_counter() - t0, 2), "sessions": sessions, **proc_stats(pid)})
+            sessions = (await c.get(srv.url + "/healthz")).json()["sessions"]
+            out.append({"t": round(time.perf_counter() - t0, 2), "sessions": sessions, **srv.stats()})
             try:
                 await asyncio.wait_for(stop.wait(), every)
             except asyncio.TimeoutError:
                 pass
 
 
-async def soak(pid, url, conc, duration, max_tokens, warmup):
+async def soak(srv, conc, duration, max_tokens, warmup):
     samples, stop = [], asyncio.Event()
-    sampler = asyncio.create_task(sample(pid, url, 2.0, samples, stop))
-    res = await level(url, conc, duration, max_tokens, None, "ROMEO:\nBut soft, what light through yonder window breaks?\n")
+    sampler = asyncio.create_task(sample(srv, 2.0, samples, stop))
+    res = await level(srv.url, conc, duration, max_tokens, None, "ROMEO:\nBut soft, what light through yonder window breaks?\n")
     await asyncio.sleep(1.0)
     stop.set()
     await sampler
@@ -68,21 +55,11 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/results/soak.json")
     a = ap.parse_args()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    srv = subprocess.Popen([sys.executable, "-m", "clients", "serve", "--port", str(port), "--threads", str(a.threads),
-                            "--log-level", "warning"])
+    srv = LocalServer(threads=a.threads)
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        res = asyncio.run(soak(srv.pid, url, a.concurrency, a.duration, a.max_tokens, a.warmup))
+        res = asyncio.run(soak(srv, a.concurrency, a.duration, a.max_tokens, a.warmup))
     finally:
-        srv.terminate()
-        srv.wait(30)
+        srv.stop()
     res["command"] = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
     errors = sum(res["load"]["errors"].values())
     print(f"{a.concurrency} streams for {a.duration:.0f} s: {res['load']['tokens_per_s']:.0f} tok/s, {errors} errors, "

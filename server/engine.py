@@ -85,6 +85,7 @@ class Engine:
         self.name, self.model, self.tok = name, model, tok
         self.pool: State = model.init_state(slots)
         self.empty = model.init_state(1)
+        self.kv = any(self.pool.time_dims)  # some layer keeps a growing KV cache
         self.free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest slot: active rows stay contiguous
         self.prefill_chunk, self.max_batch, self.metrics = prefill_chunk, max_batch, metrics
         self.lookahead = lookahead
@@ -250,7 +251,8 @@ class Engine:
             saved = self.pool.copy_rows([j.slot for j in early], with_growing=False)
             for i, j in enumerate(early):
                 j.saved = (saved, i)
-        self.pool.reserve(int(self.pool.position[rows].max()) + 1)  # KV caches: grow once, ahead
+        if self.kv:  # grow the caches once, ahead, so the step writes in place
+            self.pool.reserve(int(self.pool.position[rows].max()) + 1)
         st = self.pool.select(rows)
         t0 = time.perf_counter()
         logits, new = self.model.step(torch.tensor([j.pending for j in step]), st)

@@ -1,0 +1,53 @@
+"""A real `linstream serve` in a subprocess on a free loopback port, for tests and benchmarks."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    def __init__(self, models: list[str] = (), env: dict | None = None, *extra: str, threads: int = 1,
+                 cwd: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "clients", "serve", "--port", str(self.port), "--threads", str(threads),
+                "--log-level", "warning", *extra]
+        for m in models:
+            args += ["--model", m]
+        self.proc = subprocess.Popen(args, cwd=cwd, env={**os.environ, **(env or {})})
+        deadline = time.time() + 60
+        while time.time() < deadline:  # poll until it answers
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited during start-up")
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("server did not come up")
+
+    def stats(self) -> dict:
+        """Resident memory and open file descriptors of the server process (Linux /proc)."""
+        pid = self.proc.pid
+        rss = next(int(ln.split()[1]) * 1024 for ln in open(f"/proc/{pid}/status") if ln.startswith("VmRSS"))
+        return {"rss_bytes": rss, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
