@@ -46,11 +46,25 @@ PRESETS: dict[str, ModelConfig] = {
     # d_state 8 (the paper uses 16) and a narrower MLP keep the parameter count within 5 % of
     # `linear` and the CPU scan affordable
     "mamba": ModelConfig(mixer="mamba", d_state=8, mlp_ratio=2.0),
+    "performer": ModelConfig(mixer="performer"),
+    "retnet": ModelConfig(mixer="retnet"),
+    # the gated kernels build an (L, L, K) tensor per chunk (see gla.py): short chunks
+    "gla": ModelConfig(mixer="gla", chunk_size=16),
+    "rwkv": ModelConfig(mixer="rwkv", chunk_size=16),
+    # Jamba/Zamba-style hybrid: three recurrent layers and one softmax layer (the third); only that
+    # layer's KV cache grows with the context
+    "hybrid": ModelConfig(mixer="hybrid", layers=("linear", "linear", "softmax", "linear")),
     # tiny shapes for tests
     "tiny-linear": ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, mixer="linear",
                                decays=(0.5, 0.95), chunk_size=8),
     "tiny-softmax": ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, mixer="softmax",
                                 decays=(0.5, 0.95), chunk_size=8),
+    "tiny-performer": ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, mixer="performer", chunk_size=8),
+    "tiny-retnet": ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, mixer="retnet", chunk_size=8),
+    "tiny-gla": ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, mixer="gla", chunk_size=8),
+    "tiny-rwkv": ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, mixer="rwkv", chunk_size=8),
+    "tiny-hybrid": ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, mixer="hybrid",
+                               layers=("linear", "softmax"), decays=(0.5, 0.95), chunk_size=8),
     "tiny-mamba": ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, mixer="mamba",
                               d_state=4, dt_rank=4, chunk_size=8),
 }

@@ -1,6 +1,10 @@
 """Train a mixer on the Shakespeare corpus and write a checkpoint directory.
 
     python -m model.train --mixer linear --minutes 15 --out model/weights/linear
+    python -m model.train --mixer gla --steps 602 --minutes 40 --out model/weights/gla
+
+`--minutes` alone trains for that wall-clock time; with `--steps` it trains exactly that many
+batches (the same tokens for every mixer) and `--minutes` is only a safety cap.
 
 The checkpoint is config.json + model.safetensors + tokenizer.json + training.json (budget,
 held-out bits/byte, wall time, the command). Progress (loss, tokens/s) goes to a tqdm bar.
@@ -49,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mixer", default="linear", help="a preset name from model.config.PRESETS")
     ap.add_argument("--minutes", type=float, default=15.0, help="training budget in wall-clock minutes")
+    ap.add_argument("--steps", type=int, default=0, help="train exactly this many batches (0: until --minutes)")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -73,20 +78,22 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
                             lr=a.lr, betas=(0.9, 0.95))
     budget = a.minutes * 60
-    # warmup over steps, then cosine over the fraction of the time budget spent
+    # warmup over steps, then cosine over the fraction of the budget (steps, else time) spent
     lr_at = lambda s, frac: a.lr * min(1.0, (s + 1) / a.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))  # noqa: E731
-    print(f"{a.mixer}: {model.num_params():,} parameters, {a.minutes} min of {a.batch}x{a.seq}-token steps "
+    progress = (lambda s, elapsed: s / a.steps) if a.steps else (lambda s, elapsed: elapsed / budget)  # noqa: E731
+    what = f"{a.steps} steps (at most {a.minutes} min)" if a.steps else f"{a.minutes} min"
+    print(f"{a.mixer}: {model.num_params():,} parameters, {what} of {a.batch}x{a.seq}-token steps "
           f"on {a.threads} threads", flush=True)
 
     t0, seen, ema, s = time.time(), 0, None, 0
     bar = tqdm(total=round(budget), unit="s", mininterval=10, file=sys.stdout)
-    while (elapsed := time.time() - t0) < budget:
+    while (elapsed := time.time() - t0) < budget and (not a.steps or s < a.steps):
         bar.n = round(elapsed)
         idx = torch.randint(0, len(train_ids) - a.seq - 1, (a.batch,))
         x = torch.stack([train_ids[i:i + a.seq] for i in idx])
         y = torch.stack([train_ids[i + 1:i + a.seq + 1] for i in idx])
         for g in opt.param_groups:
-            g["lr"] = lr_at(s, elapsed / budget)
+            g["lr"] = lr_at(s, progress(s, elapsed))
         logits, _ = model(x)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)

@@ -9,7 +9,8 @@ from model.lm import LM
 # tests use an in-memory store unless they ask for another (the default is a directory in $HOME)
 os.environ.setdefault("LINSTREAM_STORE", "memory")
 
-TINY = ["tiny-linear", "tiny-softmax", "tiny-mamba"]
+TINY = ["tiny-linear", "tiny-softmax", "tiny-mamba", "tiny-performer", "tiny-retnet", "tiny-gla", "tiny-rwkv",
+        "tiny-hybrid"]
 
 
 @pytest.fixture(params=TINY)

@@ -29,8 +29,9 @@ def feature_map(x: Tensor) -> Tensor:
     return F.elu(x) + 1
 
 
-def linear_attn_naive(q, k, v, gamma, initial_state=None, eps=EPS):
-    """Reference: the recurrence above, one token at a time, in float32."""
+def decayed_attn_naive(q, k, v, gamma, initial_state=None):
+    """Reference: the recurrence above, one token at a time, in float32. Returns the unnormalised
+    numerator phi(q_t)^T S_t (B, H, T, V), the denominator phi(q_t)^T z_t (B, H, T) and (S, z)."""
     B, H, T, K = q.shape
     V = v.shape[-1]
     q, k, v = q.float(), k.float(), v.float()
@@ -39,39 +40,37 @@ def linear_attn_naive(q, k, v, gamma, initial_state=None, eps=EPS):
         S, z = q.new_zeros(B, H, K, V), q.new_zeros(B, H, K)
     else:
         S, z = (t.float().clone() for t in initial_state)
-    out = []
+    nums, dens = [], []
     for t in range(T):
         S = g[..., None] * S + k[:, :, t, :, None] * v[:, :, t, None, :]
         z = g * z + k[:, :, t]
-        num = torch.einsum("bhk,bhkv->bhv", q[:, :, t], S)
-        den = torch.einsum("bhk,bhk->bh", q[:, :, t], z)[..., None] + eps
-        out.append(num / den)
-    return torch.stack(out, dim=2), (S, z)
+        nums.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], S))
+        dens.append(torch.einsum("bhk,bhk->bh", q[:, :, t], z))
+    return q.new_zeros(B, H, 0, V) if T == 0 else torch.stack(nums, 2), \
+        q.new_zeros(B, H, 0) if T == 0 else torch.stack(dens, 2), (S, z)
 
 
-def linear_attn_step(q, k, v, gamma, state, eps=EPS):
-    """One token: q, k (B, H, K), v (B, H, V); state (S, z). Returns o (B, H, V), (S, z)."""
+def decayed_attn_step(q, k, v, gamma, state):
+    """One token: q, k (B, H, K), v (B, H, V); state (S, z). Returns num (B, H, V), den (B, H), (S, z)."""
     S, z = state
     g = gamma[None, :, None]
     S = g[..., None] * S + k[..., :, None] * v[..., None, :]
     z = g * z + k
-    num = torch.einsum("bhk,bhkv->bhv", q, S)
-    den = torch.einsum("bhk,bhk->bh", q, z)[..., None] + eps
-    return num / den, (S, z)
+    return torch.einsum("bhk,bhkv->bhv", q, S), torch.einsum("bhk,bhk->bh", q, z), (S, z)
 
 
-def linear_attn_chunked(q, k, v, gamma, initial_state=None, output_final_state=False,
-                        chunk_size=64, eps=EPS):
+def decayed_attn_chunked(q, k, v, gamma, initial_state=None, output_final_state=False, chunk_size=64):
     """Chunkwise form: inside a chunk of length L the decayed attention matrix
     (phi(Q) phi(K)^T * D), D[t, s] = gamma^(t-s) for s <= t, carries the intra-chunk part; the
     state from earlier chunks enters as gamma^(t+1) phi(q_t)^T S. O(T L) work, T/L sequential
-    steps. A chunk as long as T is the fully parallel form. Any T; any initial state."""
+    steps. A chunk as long as T is the fully parallel form. Any T; any initial state.
+    Returns num (B, H, T, V), den (B, H, T) and the final (S, z) (None unless asked for)."""
     B, H, T, K = q.shape
     logg = gamma.log().to(q.dtype)  # (H,)
     S = z = None
     if initial_state is not None:
         S, z = initial_state
-    outs = []
+    nums, dens = [], []
     for start in range(0, T, chunk_size):
         qc, kc, vc = (t[:, :, start:start + chunk_size] for t in (q, k, v))
         L = qc.shape[2]
@@ -85,7 +84,8 @@ def linear_attn_chunked(q, k, v, gamma, initial_state=None, output_final_state=F
             inner = torch.exp(logg[:, None] * (idx + 1))  # (H, L): gamma^(t+1)
             num = num + inner[..., None] * (qc @ S)
             den = den + inner * torch.einsum("bhlk,bhk->bhl", qc, z)
-        outs.append(num / (den[..., None] + eps))
+        nums.append(num)
+        dens.append(den)
         if output_final_state or start + chunk_size < T:
             kdec = kc * torch.exp(logg[:, None] * (L - 1 - idx))[..., None]  # gamma^(L-1-s) k_s
             dS, dz = kdec.transpose(-1, -2) @ vc, kdec.sum(2)
@@ -94,12 +94,29 @@ def linear_attn_chunked(q, k, v, gamma, initial_state=None, output_final_state=F
             else:
                 gL = torch.exp(logg * L)[:, None]  # (H, 1)
                 S, z = gL[..., None] * S + dS, gL * z + dz
-    o = torch.cat(outs, dim=2)
+    num = torch.cat(nums, dim=2) if nums else v.new_zeros(B, H, 0, v.shape[-1])
+    den = torch.cat(dens, dim=2) if dens else q.new_zeros(B, H, 0)
     if not output_final_state:
-        return o, None
+        return num, den, None
     if S is None:  # T == 0
         S, z = q.new_zeros(B, H, K, v.shape[-1]), q.new_zeros(B, H, K)
-    return o, (S, z)
+    return num, den, (S, z)
+
+
+def linear_attn_naive(q, k, v, gamma, initial_state=None, eps=EPS):
+    num, den, state = decayed_attn_naive(q, k, v, gamma, initial_state)
+    return num / (den[..., None] + eps), state
+
+
+def linear_attn_step(q, k, v, gamma, state, eps=EPS):
+    """One token: q, k (B, H, K), v (B, H, V); state (S, z). Returns o (B, H, V), (S, z)."""
+    num, den, state = decayed_attn_step(q, k, v, gamma, state)
+    return num / (den[..., None] + eps), state
+
+
+def linear_attn_chunked(q, k, v, gamma, initial_state=None, output_final_state=False, chunk_size=64, eps=EPS):
+    num, den, state = decayed_attn_chunked(q, k, v, gamma, initial_state, output_final_state, chunk_size)
+    return num / (den[..., None] + eps), state
 
 
 def linear_attn_noncausal(q, k, v, eps=EPS):
