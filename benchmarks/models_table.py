@@ -1,49 +1,93 @@
-"""Print the README's model table from the shipped checkpoints: parameters, training budget,
-held-out bits/byte, state bytes per session, and a seeded sample.
+"""The README's model table from the shipped checkpoints: parameters, tokens trained, held-out
+bits/byte, decode ms/token and state bytes per session at two context lengths, chunked-prefill
+throughput, and a seeded sample. In-process, one torch thread, batch 1.
 
-    python benchmarks/models_table.py [--models linear mamba softmax]
+    python benchmarks/models_table.py --out benchmarks/results/models_table
+    python benchmarks/models_table.py --models linear gla --contexts 128 4096   # a quick look
+
+Writes OUT.md (the table) and OUT.json (every figure).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import platform
+import statistics
+import time
+from pathlib import Path
 
 import torch
 
-from model.bench import WEIGHTS, state_at
+from model.bench import WEIGHTS, state_at, time_steps
 from model.generate import Generation, prefill
 from model.lm import LM
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 
 PROMPT = "ROMEO:\n"
+ALL = ["linear", "performer", "retnet", "gla", "rwkv", "mamba", "hybrid", "softmax"]
+
+
+def measure(name: str, contexts: list[int], steps: int, prefill_len: int) -> dict:
+    path = WEIGHTS / name
+    meta = json.loads((path / "training.json").read_text())
+    model, tok = LM.load(path), Tokenizer(path / "tokenizer.json")
+    row = {"model": name, "mixers": list(model.cfg.layer_mixers), "parameters": meta["parameters"],
+           "tokens_trained": meta["tokens_trained"], "bytes_trained": meta["bytes_trained"],
+           "held_out_bits_per_byte": meta["held_out_bits_per_byte"], "command": meta["command"], "contexts": {}}
+    for n in contexts:
+        st = state_at(model, n)
+        ms = 1000 * statistics.median(time_steps(model, st, steps))
+        row["contexts"][n] = {"decode_ms": ms, "state_bytes": st.row_nbytes()}
+        print(f"  {name:9s} context {n:6d}: {ms:7.2f} ms/token, {st.row_nbytes():,} state bytes", flush=True)
+    ids = torch.randint(0, model.cfg.vocab_size, (prefill_len,), generator=torch.Generator().manual_seed(0))
+    prefill(model, ids[:256], model.init_state(1))  # warm-up
+    t0 = time.perf_counter()
+    prefill(model, ids, model.init_state(1))
+    row["prefill_tokens_per_s"] = prefill_len / (time.perf_counter() - t0)
+    s = prefill(model, tok.encode(PROMPT), model.init_state(1))
+    text = "".join(e.text for e in Generation(model, tok, s, SamplingParams(48, 0.8, 0, 0.95, seed=0)))
+    row["sample"] = text.strip().replace("\n", " / ")[:120]
+    print(f"  {name:9s} prefill {row['prefill_tokens_per_s']:,.0f} tok/s; {row['sample']}", flush=True)
+    return row
+
+
+def markdown(rows: list[dict], contexts: list[int], prefill_len: int) -> str:
+    lo, hi = contexts[0], contexts[-1]
+    k = lambda n: f"{n // 1024} K" if n >= 1024 else str(n)  # noqa: E731
+    head = ["mixer", "parameters", "tokens trained", "held-out bits/byte", f"decode ms/token at {k(lo)} / {k(hi)}",
+            f"state bytes/session at {k(lo)} / {k(hi)}", f"chunked prefill tok/s ({k(prefill_len)})",
+            "sample (`ROMEO:\\n`, T=0.8, top-p 0.95, seed 0)"]
+    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        a, b = r["contexts"][lo], r["contexts"][hi]
+        name = f"`{r['model']}`" + (f" ({'+'.join(r['mixers'])})" if len(set(r["mixers"])) > 1 else "")
+        out.append(f"| {name} | {r['parameters']:,} | {r['tokens_trained'] / 1e6:.2f} M | **{r['held_out_bits_per_byte']:.3f}** "
+                   f"| {a['decode_ms']:.2f} / {b['decode_ms']:.2f} | {a['state_bytes']:,} / {b['state_bytes']:,} "
+                   f"| {r['prefill_tokens_per_s']:,.0f} | {r['sample'].replace('|', '/')} |")
+    return "\n".join(out)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", default=["linear", "mamba", "softmax"])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=ALL)
+    ap.add_argument("--contexts", nargs="+", type=int, default=[128, 32768])
+    ap.add_argument("--steps", type=int, default=30, help="decode steps timed per context")
+    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="benchmarks/results/models_table")
     a = ap.parse_args()
+    torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
-    print("| mixer | parameters | tokens (bytes) trained | held-out bits/byte | state bytes/session at 128 / 32 K | "
-          "sample (`ROMEO:\\n`, T=0.8, top-p 0.95, seed 0) |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name in a.models:
-        path = WEIGHTS / name
-        meta = json.loads((path / "training.json").read_text())
-        model, tok = LM.load(path), Tokenizer(path / "tokenizer.json")
-        short = state_at(model, 128).row_nbytes()
-        kv = any(b.mixer.time_dims for b in model.blocks)
-        long = "grows linearly" if kv else f"{short:,}"
-        if kv:  # the KV cache at 32 K: bytes per position times positions, measured on a real state
-            per_pos = (state_at(model, 256).row_nbytes() - short) / 128
-            long = f"{short + per_pos * (32768 - 128):,.0f}"
-        s = prefill(model, tok.encode(PROMPT), model.init_state(1))
-        text = "".join(e.text for e in Generation(model, tok, s, SamplingParams(48, 0.8, 0, 0.95, seed=0)))
-        sample = text.strip().replace("\n", " / ").replace("|", "\\|")[:140]
-        print(f"| `{name}` | {meta['parameters']:,} | {meta['tokens_trained'] / 1e6:.2f} M ({meta['bytes_trained'] / 1e6:.1f} M) "
-              f"| **{meta['held_out_bits_per_byte']:.3f}** | {short:,} / {long} | {sample} |")
-    print("\nReproduce a row: " + "; ".join(f"`{json.loads((WEIGHTS / n / 'training.json').read_text())['command']}`"
-                                             for n in a.models))
+    rows = [measure(m, a.contexts, a.steps, a.prefill) for m in a.models]
+    md = markdown(rows, a.contexts, a.prefill)
+    print(md)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out + ".md").write_text(md + "\n")
+    Path(a.out + ".json").write_text(json.dumps({"machine": {"cpu": platform.processor() or platform.machine(),
+                                                             "threads": a.threads, "torch": torch.__version__},
+                                                 "rows": rows}, indent=2) + "\n")
+    print(f"wrote {a.out}.md and {a.out}.json")
 
 
 if __name__ == "__main__":

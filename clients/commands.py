@@ -79,7 +79,7 @@ def chat(url: Annotated[str, URL] = "http://127.0.0.1:8000", model: Optional[str
 
 @bench.command("latency")
 def bench_latency(url: Annotated[str, URL] = "http://127.0.0.1:8000",
-                  models: Annotated[str, typer.Option(help="comma-separated served models")] = "linear,mamba,softmax",
+                  models: Annotated[str, typer.Option(help="comma-separated served models")] = "linear,performer,retnet,gla,rwkv,mamba,hybrid,softmax",
                   contexts: Annotated[str, typer.Option(help="comma-separated context lengths")] = "128,1024,4096,16384,32768",
                   tokens: Annotated[int, typer.Option(help="tokens streamed per measurement")] = 64,
                   in_process: Annotated[bool, typer.Option(help="also time the same checkpoints without HTTP")] = True,

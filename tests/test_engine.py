@@ -11,6 +11,8 @@ from model.lm import LM
 from model.sampling import SamplingParams
 from server.engine import Engine, Job
 
+from .conftest import TINY
+
 
 class Tok:  # the tiny models' 64 ids as single letters
     token_bytes = [bytes([65 + i % 26]) for i in range(64)]
@@ -21,7 +23,7 @@ class Tok:  # the tiny models' 64 ids as single letters
 
 
 @pytest.mark.parametrize("lookahead", [True, False])
-@pytest.mark.parametrize("preset", ["tiny-linear", "tiny-softmax", "tiny-mamba"])
+@pytest.mark.parametrize("preset", TINY)
 @pytest.mark.parametrize("delivered", [0, 2, 3])
 def test_abandoned_stream_keeps_exactly_the_delivered_tokens(preset, lookahead, delivered):
     torch.manual_seed(0)

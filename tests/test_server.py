@@ -8,7 +8,10 @@ import pytest_asyncio
 from server.app import create_app
 from server.settings import Settings
 
+from .conftest import TINY
 from .helpers import make_checkpoint
+
+MODELS = [p.removeprefix("tiny-") for p in TINY]
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -16,7 +19,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
-    return [str(make_checkpoint(d, p)) for p in ("tiny-linear", "tiny-softmax", "tiny-mamba")]
+    return [str(make_checkpoint(d, p)) for p in TINY]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -44,7 +47,7 @@ def error_type(r):
     return r.json()["error"]["type"]
 
 
-@pytest.mark.parametrize("model", ["linear", "softmax", "mamba"])
+@pytest.mark.parametrize("model", MODELS)
 async def test_lifecycle(client, model):
     s = await new(client, model=model)
     assert s["model"] == model and s["position"] > 0 and s["state_bytes"] > 0
@@ -71,7 +74,7 @@ async def test_stream_events(client):
     assert '"finish_reason": "length"' in blocks[4] and '"per_token_ms"' in blocks[4]
 
 
-@pytest.mark.parametrize("model", ["linear", "softmax", "mamba"])
+@pytest.mark.parametrize("model", MODELS)
 async def test_snapshot_restore_fork_continue_exactly(client, model):
     s = await new(client, model=model)
     snap = (await client.post(f"/v1/sessions/{s['id']}/snapshot")).json()
@@ -90,6 +93,34 @@ async def test_snapshot_restore_fork_continue_exactly(client, model):
     assert h["text"].startswith("ROMEO:")
     for x in (by_id, by_blob, fork, s):
         await client.delete(f"/v1/sessions/{x['id']}")
+
+
+@pytest.mark.parametrize("model", MODELS)
+async def test_sessions_batched_together_match_one_alone(client, model):
+    """Four sessions of one model at different positions decode in the same engine batches; each
+    generates what it generates alone."""
+    prompts = ["ROMEO:\nBut soft", "JULIET:\nO Romeo, Romeo, wherefore art thou", "A", "KING:\nNow is the winter"]
+    alone = []
+    for p in prompts:
+        s = await new(client, p, model=model)
+        alone.append((await gen(client, s["id"], max_tokens=16))["tokens"])
+        await client.delete(f"/v1/sessions/{s['id']}")
+    sessions = [await new(client, p, model=model) for p in prompts]
+    before = await decode_batches(client, model)
+    together = await asyncio.gather(*(gen(client, s["id"], max_tokens=16) for s in sessions))
+    assert [t["tokens"] for t in together] == alone
+    steps, rows = (b - a for a, b in zip(before, await decode_batches(client, model)))
+    assert rows > steps  # some steps really carried several sessions
+    for s in sessions:
+        await client.delete(f"/v1/sessions/{s['id']}")
+
+
+async def decode_batches(c, model) -> tuple[float, float]:
+    """(decode steps, session-rows stepped) so far for `model`, from /metrics."""
+    text = (await c.get("/metrics")).text
+    val = lambda name: next(float(line.split()[-1]) for line in text.splitlines()  # noqa: E731
+                            if line.startswith(f'linstream_decode_batch_size_{name}{{model="{model}"}}'))
+    return val("count"), val("sum")
 
 
 async def test_fork_and_parent_sample_the_same_with_same_seed(client):
@@ -228,7 +259,7 @@ async def test_openai_session_continuation(client):
 
 async def test_models_health_metrics(client):
     models = (await client.get("/v1/models")).json()["data"]
-    assert {m["id"] for m in models} == {"linear", "softmax", "mamba"}
+    assert {m["id"] for m in models} == set(MODELS)
     assert (await client.get("/healthz")).json()["status"] == "ok"
     text = (await client.get("/metrics")).text
     for name in ("linstream_time_to_first_token_seconds", "linstream_inter_token_latency_seconds",

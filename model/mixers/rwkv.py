@@ -69,7 +69,7 @@ class RWKV6TimeMix(nn.Module):
 
     def _project(self, x, prev):
         """x, prev = x_t, x_{t-1} (B, T, D) -> r, k, v, log w (B, H, T, K) and g (B, T, D)."""
-        B, T, D = x.shape
+        B, T, _ = x.shape
         dx = prev - x
         m = torch.tanh((x + dx * self.mu_x) @ self.mix_a).view(B, T, 5, MIX_RANK)
         m = torch.einsum("btfr,frd->btfd", m, self.mix_b)  # (B, T, 5, D)
