@@ -67,6 +67,7 @@ class Done:
     finish_reason: str
     usage: dict
     timings: dict
+    persisted: bool = True  # False: the server's store was unreachable; it keeps the session in memory
 
 
 def _sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs) -> dict:
@@ -81,7 +82,7 @@ def _event(kind: str, data: str):
     d = json.loads(data)
     if kind == "token":
         return TokenEvent(d["token"], d["text"], d["position"], d.get("logprobs"))
-    return Done(d["finish_reason"], d["usage"], d["timings"])
+    return Done(d["finish_reason"], d["usage"], d["timings"], d.get("persisted", True))
 
 
 @dataclass

@@ -8,6 +8,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model.state import SnapshotError
 
+from .store import StoreUnavailable
+
 
 class APIError(Exception):
     def __init__(self, status: int, type: str, message: str, headers: dict | None = None):
@@ -31,6 +33,11 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(SnapshotError)
     async def _snap(_: Request, e: SnapshotError):
         return JSONResponse(body(e.kind, str(e)), 400)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store(_: Request, e: StoreUnavailable):
+        return JSONResponse(body("store_unavailable", f"the session store cannot be reached ({e}); nothing was "
+                                 "changed unless this message says otherwise: retry shortly"), 503, headers={"Retry-After": "1"})
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError):

@@ -30,4 +30,6 @@ class Metrics:
                                registry=r)
         self.expired = Counter("linstream_sessions_expired", "Sessions dropped after session_ttl idle", ["model"],
                                registry=r)
+        self.unpersisted = Gauge("linstream_sessions_unpersisted",
+                                 "Sessions whose latest state could not be written to the store yet", registry=r)
         self.rss = Gauge("linstream_resident_memory_bytes", "Resident memory of the server process", registry=r)

@@ -12,7 +12,9 @@ acknowledged session survive a restart on the same store: unknown ids are looked
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
+import logging
 import struct
 import time
 from collections import Counter
@@ -33,8 +35,10 @@ from .limits import TokenBuckets
 from .metrics import Metrics
 from .sessions import Session, Snapshot, decode_record, encode_record, new_id
 from .settings import Settings
-from .store import StoreError, open_store
+from .store import StoreError, StoreUnavailable, open_store
 
+
+log = logging.getLogger("linstream")
 
 class Runtime:
     def __init__(self, settings: Settings):
@@ -47,6 +51,7 @@ class Runtime:
         self.streams: Counter[str] = Counter()  # generations in flight per owner
         self.buckets = TokenBuckets(settings.tokens_per_minute_per_key)
         self.background: set[asyncio.Task] = set()
+        self.loops: list[asyncio.Task] = []
         self.leases = Leases(settings.store, settings.replica_lease) if settings.store.startswith(("redis", "unix")) else None
         if settings.threads:
             torch.set_num_threads(settings.threads)
@@ -64,12 +69,27 @@ class Runtime:
     def start(self):
         for e in self.engines.values():
             e.start()
+        loops = [self._flush_dirty(), self._trim_heap()]
         if self.settings.session_ttl:
-            self.spawn(self._sweep())
+            loops.append(self._sweep())
         if self.leases:
-            self.spawn(self._renew_leases())
+            loops.append(self._renew_leases())
+        self.loops = [self.spawn(c) for c in loops]
 
-    async def stop(self):
+    async def stop(self, drain_s: float = 10.0):
+        """Shutdown, after the HTTP server has stopped taking requests and ended its streams:
+        let the generations it cut write their sessions (each keeps exactly what its client
+        received), make a last attempt at sessions the store could not take, then stop."""
+        for t in self.loops:
+            t.cancel()
+        finishing = [t for t in self.background if t not in self.loops]
+        if finishing:
+            await asyncio.wait(finishing, timeout=drain_s)
+        for s in [s for s in list(self.sessions.values()) if s.dirty and s.slot is not None]:
+            try:
+                await self.persist(s)
+            except StoreUnavailable:
+                log.error("session %s: store unreachable at shutdown; its state at position %d was never written", s.id, s.position)
         tasks = list(self.background)
         for t in tasks:
             t.cancel()
@@ -114,7 +134,8 @@ class Runtime:
         eng = self.engines[s.model]
         return {"id": s.id, "model": s.model, "position": s.position,
                 "state_bytes": eng.row_nbytes(s.slot) if s.slot is not None else s.state_bytes,
-                "created_at": s.created_at, "last_used_at": s.last_used_at, "resident": s.slot is not None}
+                "created_at": s.created_at, "last_used_at": s.last_used_at, "resident": s.slot is not None,
+                "busy": s.busy}
 
     def owned(self, owner: str) -> list[Session]:
         return [s for s in list(self.sessions.values()) if s.owner == owner]
@@ -205,7 +226,10 @@ class Runtime:
     async def _lease(self, s: Session) -> None:
         """With replicas: take the session's lease, and drop a resident copy another replica
         has since moved past (the store's version is newer)."""
-        if not self.leases or s.ephemeral:
+        if s.ephemeral:
+            return
+        if not self.leases:  # nothing to take, but a change we could not write must not start
+            await self.store.ping()
             return
         holder = await self.leases.acquire(s.id)
         if holder is not None:
@@ -233,12 +257,45 @@ class Runtime:
     async def _release(self, s: Session) -> None:
         s.busy = False
         if self.leases and not s.ephemeral:
-            await self.leases.release(s.id)
+            try:
+                await self.leases.release(s.id)
+            except StoreUnavailable:
+                pass  # Redis is down: the lease expires by itself
 
     async def _renew_leases(self):
         while True:
             await asyncio.sleep(self.leases.ttl_ms / 3000)
-            await self.leases.renew([s.id for s in list(self.sessions.values()) if s.busy and not s.ephemeral])
+            try:
+                await self.leases.renew([s.id for s in list(self.sessions.values()) if s.busy and not s.ephemeral])
+            except StoreUnavailable:
+                pass  # retried on the next tick
+
+    async def _trim_heap(self, every: float = 10.0):
+        """Hand freed heap back to the OS now and then. Each request allocates and frees state
+        blobs of ~100 KB-1 MB; glibc keeps such freed chunks in its per-thread arenas, so without
+        this the resident size of a busy server creeps up although nothing is leaked."""
+        try:
+            trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            return  # not glibc
+        while True:
+            await asyncio.sleep(every)
+            await asyncio.to_thread(trim, 0)
+
+    async def _flush_dirty(self, every: float = 1.0):
+        """Write sessions whose last persist failed (store unreachable) once it is back. Until
+        then they stay resident: never spilled, never dropped."""
+        while True:
+            await asyncio.sleep(every)
+            for s in [s for s in list(self.sessions.values()) if s.dirty and not s.busy and s.slot is not None]:
+                s.busy = True
+                try:
+                    await self.persist(s)
+                    log.info("session %s written to the store after an outage", s.id)
+                except StoreUnavailable:
+                    break  # still down: try again later
+                finally:
+                    s.busy = False
 
     async def _make_resident(self, s: Session) -> None:
         if s.slot is not None:
@@ -263,8 +320,8 @@ class Runtime:
                 return await eng.call(lambda: eng.alloc(state))
             except RuntimeError:
                 pass
-            idle = [s for s in self.sessions.values()
-                    if s.model == eng.name and s.slot is not None and not s.busy and not s.ephemeral]
+            idle = [s for s in self.sessions.values()  # a dirty session's state exists only in its slot
+                    if s.model == eng.name and s.slot is not None and not s.busy and not s.ephemeral and not s.dirty]
             if not idle:
                 raise APIError(503, "at_capacity", f"model {eng.name!r} holds its maximum of busy sessions; "
                                "retry later", headers={"Retry-After": "1"})
@@ -272,18 +329,33 @@ class Runtime:
             slot, victim.slot = victim.slot, None  # marked before any await: a new request reloads it
             victim.state_bytes = eng.row_nbytes(slot)
             self.metrics.spills.labels(eng.name).inc()
-            await eng.call(lambda: eng.release(slot))  # noqa: B023  (awaited at once)
+
+            def swap(slot=slot):  # in one engine call, so a concurrent request cannot take the freed slot
+                eng.release(slot)
+                return eng.alloc(state)
+            return await eng.call(swap)
 
     async def persist(self, s: Session) -> None:
-        """Write the session's record to the store (state, history, metadata)."""
+        """Write the session's record to the store (state, history, metadata). If the store
+        cannot be reached the session is marked dirty: it keeps its slot, and `_flush_dirty`
+        writes it when the store is back; StoreUnavailable goes on to the caller."""
         if s.ephemeral:
             return
         blob = await self.state_blob(s)
         s.state_bytes = self.engines[s.model].row_nbytes(s.slot)
         ttl = self.settings.session_ttl or None
-        await self.store.put(f"sess/{s.id}", encode_record(s.meta(), blob), ttl)
-        if self.leases:
-            s.version = await self.leases.bump(s.id)
+        try:
+            await self.store.put(f"sess/{s.id}", encode_record(s.meta(), blob), ttl)
+            if self.leases:
+                s.version = await self.leases.bump(s.id)
+        except StoreUnavailable:
+            if not s.dirty:
+                self.metrics.unpersisted.inc()
+            s.dirty = True
+            raise
+        if s.dirty:
+            self.metrics.unpersisted.dec()
+        s.dirty = False
 
     async def _new(self, eng: Engine, owner: str, state: State | None = None, tokens=(), start: int = 0,
                    ephemeral: bool = False) -> Session:
@@ -297,12 +369,26 @@ class Runtime:
                      ephemeral: bool = False) -> Session:
         eng = self.engine(model)
         ids = self.tokens_of(eng, text, tokens)
+        if not ephemeral:
+            await self.store.ping()
         s = await self._new(eng, owner, ephemeral=ephemeral)
         try:
-            await self.push(s, ids)
+            await self.persist_new(s, lambda: self.push(s, ids))
         finally:
             s.busy = False
         return s
+
+    async def persist_new(self, s: Session, work) -> None:
+        """Run `work` (which persists) for a session just made; if the store cannot take it, the
+        session is dropped again and the client is told nothing was created."""
+        try:
+            await work()
+        except StoreUnavailable as e:
+            if s.dirty:
+                self.metrics.unpersisted.dec()
+            s.dirty = False
+            await self._drop(s)
+            raise StoreUnavailable(f"{str(e).split(';')[0]}; no session was created") from None
 
     async def push(self, s: Session, ids: list[int], logprobs: int | None = None):
         """Advance the session over ids (chunked prefill, interleaved with others' decode), then
@@ -313,7 +399,11 @@ class Runtime:
         s.tokens.extend(ids)
         self.metrics.prompt_tokens.labels(s.model).inc(len(ids))
         ms = 1000 * (time.perf_counter() - t0)
-        await self.persist(s)
+        try:
+            await self.persist(s)
+        except StoreUnavailable as e:
+            raise StoreUnavailable(f"{e}; the {len(ids)} tokens were applied: the session is at position {s.position} "
+                                   "in this server's memory and is written to the store when it is back") from None
         return ms, job
 
     def generate(self, s: Session, params: SamplingParams, logprobs: int | None = None) -> Job:
@@ -394,9 +484,10 @@ class Runtime:
                 or int(start[0]) + len(tokens) != pos or int(start[0]) < 0
                 or (len(tokens) and not bool(((tokens >= 0) & (tokens < eng.model.cfg.vocab_size)).all()))):
             raise SnapshotCorrupt("the blob's history does not match its position or vocabulary")
+        await self.store.ping()
         s = await self._new(eng, owner, state, tokens.tolist(), int(start[0]))
         try:
-            await self.persist(s)
+            await self.persist_new(s, lambda: self.persist(s))
         finally:
             s.busy = False
         return s
@@ -418,19 +509,26 @@ class Runtime:
         state = await eng.call(lambda: eng.read(s.slot))
         child = await self._new(eng, s.owner, state, s.tokens, s.history_start)
         try:
-            await self.persist(child)
+            await self.persist_new(child, lambda: self.persist(child))
         finally:
             child.busy = False
         return child
 
     async def delete(self, s: Session) -> None:
+        if not s.ephemeral:  # the store first: a failure leaves the session whole
+            await self.store.delete(f"sess/{s.id}")
+        if s.dirty:
+            self.metrics.unpersisted.dec()
+        s.dirty = False
+        await self._drop(s)
+
+    async def _drop(self, s: Session) -> None:
+        """Forget a session here (memory and slot), not in the store."""
         self.sessions.pop(s.id, None)
         if s.slot is not None:
             eng, slot = self.engines[s.model], s.slot
             s.slot = None
             await eng.call(lambda: eng.release(slot))  # noqa: B023  (awaited at once)
-        if not s.ephemeral:
-            await self.store.delete(f"sess/{s.id}")
 
     async def _sweep(self):
         """Expire sessions idle for longer than session_ttl (the store expires their records too)."""
@@ -438,11 +536,10 @@ class Runtime:
         while True:
             await asyncio.sleep(min(5.0, max(0.05, ttl / 4)))
             now = time.time()
-            for s in [s for s in list(self.sessions.values()) if not s.busy and now - s.last_used_at > ttl]:
-                self.sessions.pop(s.id, None)
-                if s.slot is not None:
-                    eng, slot = self.engines[s.model], s.slot
-                    s.slot = None
-                    await eng.call(lambda: eng.release(slot))  # noqa: B023  (awaited at once)
-                await self.store.delete(f"sess/{s.id}")
+            for s in [s for s in list(self.sessions.values()) if not s.busy and not s.dirty and now - s.last_used_at > ttl]:
+                try:
+                    await self.store.delete(f"sess/{s.id}")
+                except StoreUnavailable:
+                    break  # store down: expire on a later sweep
+                await self._drop(s)
                 self.metrics.expired.labels(s.model).inc()

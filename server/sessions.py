@@ -29,6 +29,7 @@ class Session:
     state_bytes: int = 0  # as of the last persist (for spilled sessions)
     ephemeral: bool = False  # OpenAI requests' throwaway sessions are never persisted
     version: int = 0  # store version the resident copy matches (replicas on Redis)
+    dirty: bool = False  # its last persist failed (store unreachable): newer in memory than in the store
 
     @property
     def position(self) -> int:

@@ -24,6 +24,10 @@ class StoreError(Exception):
     """A stored value that cannot be trusted (damaged, truncated)."""
 
 
+class StoreUnavailable(Exception):
+    """The store cannot be reached right now (Redis down or restarting): retry later."""
+
+
 def check_key(key: str) -> str:
     if not KEY.match(key):
         raise ValueError(f"invalid store key {key!r}")
@@ -36,6 +40,7 @@ class Store(Protocol):
     async def delete(self, key: str) -> None: ...
     async def list(self, kind: str) -> list[str]: ...
     async def touch(self, key: str, ttl: float | None) -> bool: ...
+    async def ping(self) -> None: ...  # raises StoreUnavailable when the store cannot be reached
     async def close(self) -> None: ...
 
 
@@ -70,8 +75,11 @@ class MemoryStore:
         self.data[key] = (v[0], None if ttl is None else time.time() + ttl)
         return True
 
+    async def ping(self):
+        pass  # in-process / local files: always reachable
+
     async def close(self):
-        pass
+        pass  # nothing to release
 
 
 MAGIC = b"LSTORE1\n"
@@ -140,32 +148,50 @@ class DiskStore:
         await asyncio.to_thread(self._write, path, got[0], 0.0 if ttl is None else time.time() + ttl)
         return True
 
+    async def ping(self):
+        pass  # in-process / local files: always reachable
+
     async def close(self):
-        pass
+        pass  # nothing to release
 
 
 class RedisStore:
+    """Every call that cannot reach Redis (refused, reset, timed out) raises StoreUnavailable."""
+
     def __init__(self, url: str, prefix: str = "linstream:"):
         import redis.asyncio as redis
-        self.r = redis.from_url(url)
-        self.prefix = prefix
+        from redis.exceptions import ConnectionError, TimeoutError
+        self.r = redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+        self.prefix, self.errors = prefix, (ConnectionError, TimeoutError, OSError)
+
+    async def _do(self, op):
+        try:
+            return await op
+        except self.errors as e:
+            raise StoreUnavailable(f"redis: {e}") from None
 
     async def put(self, key, value, ttl=None):
-        await self.r.set(self.prefix + check_key(key), value, px=None if ttl is None else max(1, int(ttl * 1000)))
+        await self._do(self.r.set(self.prefix + check_key(key), value, px=None if ttl is None else max(1, int(ttl * 1000))))
 
     async def get(self, key):
-        return await self.r.get(self.prefix + check_key(key))
+        return await self._do(self.r.get(self.prefix + check_key(key)))
 
     async def delete(self, key):
-        await self.r.delete(self.prefix + check_key(key))
+        await self._do(self.r.delete(self.prefix + check_key(key)))
 
     async def list(self, kind):
         pat, n = f"{self.prefix}{kind}/*", len(self.prefix) + len(kind) + 1
-        return sorted([k.decode()[n:] async for k in self.r.scan_iter(match=pat, count=1000)])
+
+        async def scan():
+            return sorted([k.decode()[n:] async for k in self.r.scan_iter(match=pat, count=1000)])
+        return await self._do(scan())
 
     async def touch(self, key, ttl):
         k = self.prefix + check_key(key)
-        return bool(await (self.r.persist(k) if ttl is None else self.r.pexpire(k, max(1, int(ttl * 1000)))))
+        return bool(await self._do(self.r.persist(k) if ttl is None else self.r.pexpire(k, max(1, int(ttl * 1000)))))
+
+    async def ping(self):
+        await self._do(self.r.ping())
 
     async def close(self):
         await self.r.aclose()

@@ -14,22 +14,29 @@ from sse_starlette.sse import EventSourceResponse
 
 from .engine import Engine, Job
 from .sessions import Session
+from .store import StoreUnavailable
 
 
 async def events(job: Job, eng: Engine, s: Session, rt) -> AsyncIterator[tuple[str, dict]]:
     """("token", {...}) per token, then ("done", {...}) once the session is persisted and
-    released. An abandoned stream is cancelled and finished in the background."""
+    released ("persisted": false if the store could not be reached: the session then stays in
+    memory and is written when the store is back). An abandoned stream is cancelled and finished
+    in the background."""
     start = s.position
     try:
         while True:
             kind, ev = await job.events.get()
             if kind == "done":
                 job.closing = rt.spawn(rt.finish_generation(job, s))
-                await asyncio.shield(job.closing)  # a disconnect now must not cut the persist short
+                try:
+                    await asyncio.shield(job.closing)  # a disconnect now must not cut the persist short
+                    persisted = True
+                except StoreUnavailable:  # kept in memory, written when the store is back
+                    persisted = False
                 n = job.yielded
                 yield "done", {"finish_reason": job.finish,
                                "usage": {"prompt_tokens": start, "completion_tokens": n, "total_tokens": start + n},
-                               "timings": job.timings()}
+                               "timings": job.timings(), "persisted": persisted}
                 return
             ev["position"] = start + job.yielded + 1
             yield "token", ev

@@ -25,7 +25,7 @@ def checkpoints(tmp_path_factory):
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(checkpoints):
     app = create_app(Settings(models=checkpoints, max_sessions=6, max_kv_sessions=4, max_prompt_tokens=500,
-                              max_new_tokens=300, max_body_bytes=200_000))
+                              max_new_tokens=3000, max_body_bytes=200_000))
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
             yield c
@@ -166,7 +166,7 @@ async def test_errors(client, path, body, status, etype):
 
 @pytest.mark.parametrize("body,status,etype", [
     ({"max_tokens": -1}, 422, "invalid_request"),
-    ({"max_tokens": 301}, 413, "max_tokens_too_large"),
+    ({"max_tokens": 3001}, 413, "max_tokens_too_large"),
     ({"temperature": -0.5}, 422, "invalid_request"),
     ({"top_p": 0}, 422, "invalid_request"),
 ])
@@ -216,9 +216,13 @@ async def test_bad_blobs_are_400_with_reason(client):
 async def test_capacity_503_only_when_every_slot_is_busy(client):
     """Idle sessions are spilled to make room; 503 comes only when all slots are mid-request."""
     made = [(await new(client, model="mamba"))["id"] for _ in range(8)]  # 8 sessions, 6 slots: spills
-    gens = [asyncio.create_task(client.post(f"/v1/sessions/{sid}/generate", json={"stream": False, "max_tokens": 300}))
+    gens = [asyncio.create_task(client.post(f"/v1/sessions/{sid}/generate", json={"stream": False, "max_tokens": 3000}))
             for sid in made[:6]]
-    await asyncio.sleep(0.05)
+    for _ in range(1000):  # until all six generations hold their sessions (listing changes nothing)
+        listed = (await client.get("/v1/sessions")).json()["data"]
+        if sum(x["busy"] for x in listed if x["id"] in made) == 6:
+            break
+        await asyncio.sleep(0.005)
     r = await client.post("/v1/sessions", json={"model": "mamba", "prompt": "x"})
     assert r.status_code == 503 and r.headers["retry-after"] and error_type(r) == "at_capacity"
     assert all(g.status_code == 200 for g in await asyncio.gather(*gens))
