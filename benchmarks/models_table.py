@@ -76,10 +76,16 @@ def main():
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/results/models_table")
+    ap.add_argument("--merge", action="store_true", help="keep OUT.json's rows for models not measured now")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
     rows = [measure(m, a.contexts, a.steps, a.prefill) for m in a.models]
+    if a.merge and Path(a.out + ".json").is_file():
+        old = [r for r in json.loads(Path(a.out + ".json").read_text())["rows"] if r["model"] not in a.models]
+        for r in old:
+            r["contexts"] = {int(k): v for k, v in r["contexts"].items()}
+        rows = sorted(old + rows, key=lambda r: ALL.index(r["model"]) if r["model"] in ALL else len(ALL))
     md = markdown(rows, a.contexts, a.prefill)
     print(md)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Reproduce every figure under benchmarks/results/ on one machine (about 25 minutes on 2 cores).
+# Reproduce every figure under benchmarks/results/ on one machine (about 50 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=benchmarks/results
 mkdir -p $out
 python -m model.bench --threads 1 --out $out/model_bench.json | tee $out/model_bench.txt
-python benchmarks/models_table.py | tee $out/models_table.md
+python benchmarks/models_table.py --out $out/models_table
 port=8100
-LINSTREAM_MAX_KV_SESSIONS=2 linstream serve -m linear -m mamba -m softmax --port $port --threads 1 --store memory \
+LINSTREAM_MAX_KV_SESSIONS=2 linstream serve -m linear -m performer -m retnet -m gla -m rwkv -m mamba -m hybrid -m softmax \
+    --port $port --threads 1 --store memory \
     --log-level warning &
 srv=$!
 trap 'kill $srv' EXIT

@@ -106,6 +106,10 @@ def run(url, models, contexts, m, do_in_process, do_hf, threads, out, weights=No
 
 def summarise(res) -> dict:
     s, mods = {}, res["models"]
+    for name, rows in mods.items():  # growth of the per-token cost with context, per model
+        by = {r["context"]: r for r in rows}
+        if len(by) > 1:
+            s[f"{name}_sse_ms_last_over_first"] = by[max(by)]["http"]["ms_median"] / by[min(by)]["http"]["ms_median"]
     if "linear" in mods:
         lin = {r["context"]: r for r in mods["linear"]}
         lo, hi = min(lin), max(lin)
@@ -141,6 +145,6 @@ def plot(res, path):
         ax.set_ylabel(yl)
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, ncol=2 if len(res["models"]) > 4 else 1)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -20,6 +20,8 @@ from model.state import (
     _digest,
 )
 
+from .conftest import TINY
+
 
 def greedy(model, state, n):
     out = []
@@ -53,12 +55,17 @@ def test_pool_select_assign_roundtrip(tiny):
             assert torch.equal(la[n], lb[n])
 
 
-@pytest.fixture
-def model_and_blob():
+@pytest.fixture(params=TINY)  # every mixer's state refuses the same bad blobs
+def model_and_blob(request):
     torch.manual_seed(0)
-    m = LM(PRESETS["tiny-linear"]).eval()
+    m = LM(PRESETS[request.param]).eval()
     s = prefill(m, [1, 2, 3], m.init_state(1))
     return m, s, s.to_bytes(m.fingerprint)
+
+
+def fixed(s, layer: int) -> str:
+    """The name of a state tensor of `layer` whose shape does not grow with the context."""
+    return next(n for n in s.layers[layer] if n not in s.time_dims[layer])
 
 
 def load(m, blob):
@@ -95,7 +102,7 @@ def test_refuses_random_bytes_and_oversize_header(model_and_blob):
 def test_refuses_other_model(model_and_blob):
     m, s, blob = model_and_blob
     torch.manual_seed(1)
-    other = LM(PRESETS["tiny-linear"]).eval()  # same shapes, other weights
+    other = LM(m.cfg).eval()  # same shapes, other weights
     with pytest.raises(SnapshotModelMismatch):
         State.from_bytes(blob, other.init_state(1), other.fingerprint)
 
@@ -109,14 +116,14 @@ def test_refuses_other_version(model_and_blob):
 
 def test_refuses_wrong_shapes_and_dtypes(model_and_blob):
     m, s, _ = model_and_blob
-    fp = {"fingerprint": m.fingerprint}
-    meta, t = rewrite(s, fp, lambda t: {**t, "layers.0.S": t["layers.0.S"][:, :, :1].contiguous()})
-    with pytest.raises(SnapshotShapeMismatch, match="layers.0.S"):
+    fp, name, last = {"fingerprint": m.fingerprint}, f"layers.0.{fixed(s, 0)}", f"layers.1.{fixed(s, 1)}"
+    meta, t = rewrite(s, fp, lambda t: {**t, name: t[name][:, :1].contiguous()})
+    with pytest.raises(SnapshotShapeMismatch, match=name):
         load(m, st_save(t, metadata=meta))
-    meta, t = rewrite(s, fp, lambda t: {**t, "layers.0.S": t["layers.0.S"].double()})
+    meta, t = rewrite(s, fp, lambda t: {**t, name: t[name].double()})
     with pytest.raises(SnapshotShapeMismatch, match="dtype"):
         load(m, st_save(t, metadata=meta))
-    meta, t = rewrite(s, fp, lambda t: {k: v for k, v in t.items() if k != "layers.1.z"})
+    meta, t = rewrite(s, fp, lambda t: {k: v for k, v in t.items() if k != last})
     with pytest.raises(SnapshotShapeMismatch, match="missing"):
         load(m, st_save(t, metadata=meta))
 
@@ -124,10 +131,12 @@ def test_refuses_wrong_shapes_and_dtypes(model_and_blob):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_refuses_non_finite(model_and_blob, bad):
     m, s, _ = model_and_blob
+    name = f"layers.1.{fixed(s, 1)}"
+
     def poison(t):
         t = dict(t)
-        t["layers.1.S"] = t["layers.1.S"].clone()
-        t["layers.1.S"][0, 0, 0, 0] = bad
+        t[name] = t[name].clone()
+        t[name].view(-1)[0] = bad
         return t
     meta, t = rewrite(s, {"fingerprint": m.fingerprint}, poison)
     with pytest.raises(SnapshotNonFinite):
@@ -149,4 +158,5 @@ def test_header_describes_the_state(model_and_blob):
     (n,) = struct.unpack("<Q", blob[:8])
     meta = json.loads(blob[8:8 + n])["__metadata__"]
     assert meta["fingerprint"] == m.fingerprint and meta["position"] == "3" and meta["version"] == "1"
-    assert json.loads(meta["shapes"])["layers.0.S"] == list(s.layers[0]["S"].shape)
+    name = fixed(s, 0)
+    assert json.loads(meta["shapes"])[f"layers.0.{name}"] == list(s.layers[0][name].shape)
