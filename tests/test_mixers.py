@@ -199,3 +199,17 @@ def test_performer_features_are_saved_with_the_weights(tmp_path):
     loaded = LM.load(tmp_path / "p")
     assert torch.equal(loaded.blocks[0].mixer.features, m.blocks[0].mixer.features)
     assert loaded.fingerprint == m.fingerprint
+
+
+def test_hybrid_state_grows_only_in_its_attention_layer():
+    from model.config import PRESETS
+    from model.lm import LM
+    m = LM(PRESETS["tiny-hybrid"]).eval()
+    assert [b.mixer.name for b in m.blocks] == ["linear", "softmax"]
+    with torch.no_grad():
+        _, a = m(torch.zeros(1, 64, dtype=torch.long), m.init_state(1))
+        _, b = m(torch.zeros(1, 256, dtype=torch.long), m.init_state(1))
+    nbytes = lambda layer: sum(t.numel() * t.element_size() for t in layer.values())  # noqa: E731
+    assert nbytes(a.layers[0]) == nbytes(b.layers[0])  # the linear layer: fixed size
+    assert nbytes(b.layers[1]) > nbytes(a.layers[1])  # the softmax layer's KV cache grows
+    assert a.time_dims == [{}, {"k": 2, "v": 2}]
