@@ -44,10 +44,11 @@ def main():
         srv.stop()
     tail = r.stdout[-3000:]
     print(tail)
-    calls = [int(x) for x in re.findall(r"(\d+) (?:passed|failed)", tail)]
+    m = re.search(r"(\d+) generated, (\d+) passed", tail)
+    generated, passed = (int(m.group(1)), int(m.group(2))) if m else (None, None)
     res = {"examples_per_operation": a.examples, "models": a.models, "exit_code": r.returncode, "wall_seconds": round(wall, 1),
            "server_healthy_after": healthy, "server_rss_bytes_after": stats["rss_bytes"], "summary_tail": tail[-1200:],
-           "counts_in_summary": calls}
+           "test_cases_generated": generated, "test_cases_passed": passed}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
     print(f"exit {r.returncode}, {wall:.0f} s, healthy afterwards: {healthy}; wrote {a.out}")
