@@ -13,6 +13,11 @@ LINSTREAM_MAX_KV_SESSIONS=2 linstream serve -m linear -m performer -m retnet -m 
 srv=$!
 trap 'kill $srv' EXIT
 until curl -sf http://127.0.0.1:$port/healthz >/dev/null; do sleep 0.5; done
-linstream bench latency --url http://127.0.0.1:$port --threads 1 --out $out/latency | tee $out/latency.txt
+linstream bench latency --url http://127.0.0.1:$port --threads 1 --models linear,mamba,softmax --out $out/latency \
+    | tee $out/latency.txt
+linstream bench latency --url http://127.0.0.1:$port --threads 1 --contexts 128,4096,32768 --tokens 32 \
+    --out $out/latency_mixers
 linstream loadtest --url http://127.0.0.1:$port --model linear --concurrency 1,8,64,256 --duration 20 \
     --out $out/loadtest | tee $out/loadtest.txt
+python benchmarks/soak.py --concurrency 256 --duration 60 --out $out/soak.json
+python benchmarks/fuzz_api.py --examples 100 --out $out/fuzz_api.json
