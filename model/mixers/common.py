@@ -25,3 +25,12 @@ def causal_conv_step(x: Tensor, tail: Tensor, weight: Tensor, bias: Tensor | Non
     if bias is not None:
         y = y + bias
     return y, window[:, 1:]
+
+
+def causal_conv_loop(x: Tensor, tail: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """`causal_conv` one token at a time with `causal_conv_step` (the naive forms' reference)."""
+    ys = []
+    for t in range(x.shape[1]):
+        y, tail = causal_conv_step(x[:, t], tail, weight, bias)
+        ys.append(y)
+    return (torch.stack(ys, 1) if ys else x), tail

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import register
-from .common import causal_conv, causal_conv_step
+from .common import causal_conv, causal_conv_loop, causal_conv_step
 
 GATE_RANK, GATE_TAU = 16, 16.0
 
@@ -138,11 +138,7 @@ class GatedLinearAttention(nn.Module):
         return self._out(o[:, :, None], x[:, None])[:, 0], {"S": S, "conv": tail}
 
     def naive(self, x, state, pos=None):
-        tail, ys = state["conv"], []
-        proj = self.qkv(x)
-        for t in range(x.shape[1]):
-            y, tail = causal_conv_step(proj[:, t], tail, self.conv.weight, self.conv.bias)
-            ys.append(y)
-        q, k, v, g = self._qkvg(torch.stack(ys, 1) if ys else proj, x)
+        qkv, tail = causal_conv_loop(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias)
+        q, k, v, g = self._qkvg(qkv, x)
         o, S = gated_attn_naive(q, k, v, g, state["S"])
         return self._out(o, x), {"S": S, "conv": tail}

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import register
-from .common import causal_conv, causal_conv_step
+from .common import causal_conv, causal_conv_loop, causal_conv_step
 
 EPS = 1e-6
 
@@ -185,11 +185,7 @@ class LinearAttention(nn.Module):
         return self._out(o[:, :, None], x[:, None])[:, 0], {"S": S, "z": z, "conv": tail}
 
     def naive(self, x, state, pos=None):
-        tail, ys = state["conv"], []
-        proj = self.qkv(x)
-        for t in range(x.shape[1]):
-            y, tail = causal_conv_step(proj[:, t], tail, self.conv.weight, self.conv.bias)
-            ys.append(y)
-        q, k, v = self._qkv(torch.stack(ys, 1))
+        qkv, tail = causal_conv_loop(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias)
+        q, k, v = self._qkv(qkv)
         o, (S, z) = linear_attn_naive(q, k, v, self.gamma, (state["S"], state["z"]))
         return self._out(o, x), {"S": S, "z": z, "conv": tail}

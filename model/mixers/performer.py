@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import register
-from .common import causal_conv, causal_conv_step
+from .common import causal_conv, causal_conv_loop, causal_conv_step
 from .linear import linear_attn_chunked, linear_attn_naive, linear_attn_step
 
 TAU_MAX = 8.0
@@ -103,11 +103,7 @@ class Performer(nn.Module):
         return self._out(o[:, :, None], x[:, None])[:, 0], {"S": S, "z": z, "conv": tail}
 
     def naive(self, x, state, pos=None):
-        tail, ys = state["conv"], []
-        proj = self.qkv(x)
-        for t in range(x.shape[1]):
-            y, tail = causal_conv_step(proj[:, t], tail, self.conv.weight, self.conv.bias)
-            ys.append(y)
-        q, k, v = self._qkv(torch.stack(ys, 1) if ys else proj)
+        qkv, tail = causal_conv_loop(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias)
+        q, k, v = self._qkv(qkv)
         o, (S, z) = linear_attn_naive(q, k, v, self.gamma, (state["S"], state["z"]))
         return self._out(o, x), {"S": S, "z": z, "conv": tail}

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import register
-from .common import causal_conv, causal_conv_step
+from .common import causal_conv, causal_conv_loop, causal_conv_step
 from .linear import decayed_attn_chunked, decayed_attn_naive, decayed_attn_step
 from .softmax import rope
 
@@ -94,12 +94,7 @@ class Retention(nn.Module):
     def naive(self, x, state, pos):
         B, T, _ = x.shape
         positions = self._positions(pos, B, T, x.device)
-        tail, ys = state["conv"], []
-        proj = self.qkv(x)
-        for t in range(T):
-            y, tail = causal_conv_step(proj[:, t], tail, self.conv.weight, self.conv.bias)
-            ys.append(y)
-        qkv = torch.stack(ys, 1) if ys else proj
+        qkv, tail = causal_conv_loop(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias)
         q, k, v = self._qkv(qkv, positions)
         num, den, (S, z) = decayed_attn_naive(q, k, v, self.gamma, (state["S"], state["z"]))
         return self._out(num, den, positions, x), {"S": S, "z": z, "conv": tail}
