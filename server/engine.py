@@ -264,7 +264,9 @@ class Engine:
         for i, j in enumerate(step):
             j.pending = None
             j.consumed += 1
-            if j.finish or j.cancelled:
+            if j.cancelled:  # possibly cancelled during this very step, after consuming ahead of
+                continue  # delivery: the next iteration rolls that back, then finishes the job
+            if j.finish:
                 self._finish(j)
             else:
                 go.append(j)

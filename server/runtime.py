@@ -12,7 +12,6 @@ acknowledged session survive a restart on the same store: unknown ids are looked
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import struct
@@ -30,13 +29,13 @@ from model.tokenizer import Tokenizer
 from .auth import Keys, load_keys
 from .engine import Engine, Job
 from .errors import APIError, not_found
+from .heap import Heap
 from .leases import Leases
 from .limits import TokenBuckets
 from .metrics import Metrics
 from .sessions import Session, Snapshot, decode_record, encode_record, new_id
 from .settings import Settings
 from .store import StoreError, StoreUnavailable, open_store
-
 
 log = logging.getLogger("linstream")
 
@@ -45,7 +44,7 @@ class Runtime:
         self.settings = settings
         self.metrics = Metrics()
         self.sessions: dict[str, Session] = {}  # held by this process (resident or spilled)
-        self.store = open_store(settings.store)
+        self.store = open_store(settings.store, settings.store_min_free)
         self.engines: dict[str, Engine] = {}
         self.keys = Keys(load_keys(settings.api_keys, settings.api_key_file))
         self.streams: Counter[str] = Counter()  # generations in flight per owner
@@ -183,7 +182,8 @@ class Runtime:
             if eng is None:
                 raise APIError(409, "model_not_served", f"session {sid!r} belongs to model {meta['model']!r}, not served here")
             state, extra = State.from_bytes_with_extra(blob, eng.empty, eng.model.fingerprint)
-            extra["history"], extra["history_start"]  # noqa: B018  (both must be there)
+            if int(extra["history_start"][0]) + len(extra["history"]) != int(state.position[0]):
+                raise ValueError("its history does not cover its state's position")
         except APIError:
             raise
         except Exception as e:
@@ -271,16 +271,17 @@ class Runtime:
                 pass  # retried on the next tick
 
     async def _trim_heap(self, every: float = 10.0):
-        """Hand freed heap back to the OS now and then. Each request allocates and frees state
-        blobs of ~100 KB-1 MB; glibc keeps such freed chunks in its per-thread arenas, so without
-        this the resident size of a busy server creeps up although nothing is leaked."""
-        try:
-            trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            return  # not glibc
+        """Hand freed heap back to the OS now and then, and report what the allocator holds
+        (see heap.py for why)."""
+        heap = Heap()
+        if heap.kind == "unknown":
+            return
         while True:
             await asyncio.sleep(every)
-            await asyncio.to_thread(trim, 0)
+            await asyncio.to_thread(heap.trim)
+            in_use, held = heap.stats()
+            self.metrics.heap_in_use.set(in_use)
+            self.metrics.heap_free.set(held)
 
     async def _flush_dirty(self, every: float = 1.0):
         """Write sessions whose last persist failed (store unreachable) once it is back. Until

@@ -62,3 +62,44 @@ def test_abandoned_stream_keeps_exactly_the_delivered_tokens(preset, lookahead, 
     for a, b in zip(state.layers, want.layers):
         for n in a:
             torch.testing.assert_close(a[n], b[n], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("preset", ["tiny-linear", "tiny-softmax"])
+def test_stream_cancelled_during_the_step_that_ran_ahead_is_rolled_back(preset):
+    """The handler's cancel can land while the engine is inside the step that consumed an
+    undelivered token (the two run on different threads); that token must still be rolled back."""
+    torch.manual_seed(0)
+    model = LM(PRESETS[preset]).eval()
+    prompt = [1, 2, 3, 4, 5]
+
+    async def run():
+        eng = Engine("m", model, Tok(), slots=2, prefill_chunk=4, max_batch=8, lookahead=True)
+        eng.start()
+        try:
+            slot = await eng.call(eng.alloc)
+            await eng.prefill(slot, prompt)
+            job = Job(slot, SamplingParams(max_tokens=50, temperature=0), asyncio.get_running_loop())
+            step = model.step
+
+            def step_then_cancel(tokens, state):  # the client goes away while this step runs
+                out = step(tokens, state)
+                job.cancelled = True
+                return out
+            model.step = step_then_cancel
+            try:
+                eng.submit(job)  # its first token is emitted, then consumed ahead of delivery
+                while (await asyncio.wait_for(job.events.get(), 10))[0] != "done":
+                    pass
+            finally:
+                del model.step
+            assert job.consumed == 0 and job.yielded == 0
+            return await eng.call(lambda: eng.read(slot))
+        finally:
+            eng.stop()
+
+    state = asyncio.run(run())
+    want = prefill(model, prompt, model.init_state(1))
+    assert int(state.position[0]) == len(prompt)
+    for a, b in zip(state.layers, want.layers):
+        for n in a:
+            torch.testing.assert_close(a[n], b[n], atol=2e-5, rtol=1e-4)
