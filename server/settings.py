@@ -32,6 +32,8 @@ class Settings(BaseSettings):
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     # where snapshots and every session's latest state live: memory, disk:PATH or redis://HOST:PORT/DB
     store: str = Field(default_factory=lambda: "disk:" + str(Path.home() / ".cache" / "linstream" / "store"))
+    # disk store: changes are refused (503) while fewer bytes than this are free on its file system
+    store_min_free: int = 4 << 20
     replica_lease: float = 10.0  # with a Redis store: seconds a replica's hold on a session outlives it
     session_ttl: float = 0.0  # seconds idle before a session expires (0 = never)
     snapshot_ttl: float = 0.0  # seconds a snapshot is kept (0 = until deleted with the store)

@@ -86,11 +86,17 @@ MAGIC = b"LSTORE1\n"
 
 
 class DiskStore:
-    """File layout: MAGIC, 64 hex chars of sha256(payload), 20 chars of expiry (0 = never), payload."""
+    """File layout: MAGIC, 64 hex chars of sha256(payload), 20 chars of expiry (0 = never), payload.
 
-    def __init__(self, root: str | Path):
+    A write that fails (disk full, read-only file system, I/O error) leaves no partial file and
+    raises StoreUnavailable, as a Redis outage does: the session is kept in memory and written
+    when space comes back. `ping` refuses changes while less than `min_free` bytes are free.
+    """
+
+    def __init__(self, root: str | Path, min_free: int = 4 << 20):
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
+        self.min_free = min_free
 
     def _path(self, key: str) -> Path:
         kind, ident = check_key(key).split("/", 1)
@@ -102,17 +108,23 @@ class DiskStore:
     def _write(self, path: Path, value: bytes, expiry: float) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + hashlib.sha256(value).hexdigest().encode() + f"{expiry:020.3f}".encode() + value)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
+        try:
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + hashlib.sha256(value).hexdigest().encode() + f"{expiry:020.3f}".encode() + value)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise StoreUnavailable(f"disk store: {e.strerror or e}") from None
 
     def _read(self, path: Path) -> tuple[bytes, float] | None:
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise StoreUnavailable(f"disk store: {e.strerror or e}") from None
         head = len(MAGIC) + 64 + 20
         if len(raw) < head or not raw.startswith(MAGIC):
             raise StoreError(f"{path.name}: not a store file or truncated")
@@ -132,7 +144,10 @@ class DiskStore:
         return None if got is None else got[0]
 
     async def delete(self, key):
-        self._path(key).unlink(missing_ok=True)
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as e:
+            raise StoreUnavailable(f"disk store: {e.strerror or e}") from None
 
     async def list(self, kind):
         d = self.root / kind
@@ -149,7 +164,9 @@ class DiskStore:
         return True
 
     async def ping(self):
-        pass  # in-process / local files: always reachable
+        st = os.statvfs(self.root)
+        if st.f_bavail * st.f_frsize < self.min_free:
+            raise StoreUnavailable(f"disk store: less than {self.min_free >> 20} MiB free under {self.root}")
 
     async def close(self):
         pass  # nothing to release
@@ -197,12 +214,12 @@ class RedisStore:
         await self.r.aclose()
 
 
-def open_store(spec: str) -> Store:
+def open_store(spec: str, min_free: int = 4 << 20) -> Store:
     """'memory', 'disk:PATH' or 'redis://...'."""
     if spec == "memory":
         return MemoryStore()
     if spec.startswith("disk:"):
-        return DiskStore(spec[len("disk:"):])
+        return DiskStore(spec[len("disk:"):], min_free)
     if spec.startswith(("redis://", "rediss://", "unix://")):
         return RedisStore(spec)
     raise ValueError(f"unknown store {spec!r}: use memory, disk:PATH or redis://HOST:PORT/DB")
