@@ -1,14 +1,22 @@
 """Soak: C concurrent streaming sessions against a real server for D seconds, watching the
-server's resident memory, open file descriptors and sessions. Starts its own server on a
-loopback port and stops by itself.
+server's resident memory (and what its C heap holds), open file descriptors and sessions.
+Starts its own server on a loopback port and stops by itself.
+
+Memory growth after warm-up is given two ways: the highest sample over the first one after
+warm-up (what the hardening goal names; one sample swings by several % as a decode step's
+buffers come and go), and the mean of the last 10 s of load over the mean of the first 10 s
+after warm-up (the drift).
 
     python benchmarks/soak.py --concurrency 256 --duration 60 --out benchmarks/results/soak.json
+    python benchmarks/soak.py --allocator jemalloc --out benchmarks/results/soak_jemalloc.json
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,18 +25,26 @@ import httpx
 
 from clients.loadtest import level
 from clients.local_server import LocalServer
+from clients.stats import metric
+
+
+async def probe(c: httpx.AsyncClient, srv: LocalServer, t: float) -> dict:
+    sessions = (await c.get(srv.url + "/healthz")).json()["sessions"]
+    m = (await c.get(srv.url + "/metrics")).text
+    heap = {f"heap_{k}_bytes": metric(m, f"linstream_heap_{k}_bytes") for k in ("in_use", "free")}
+    return {"t": round(t, 2), "sessions": sessions, **srv.stats(), **heap}
 
 
 async def sample(srv: LocalServer, every: float, out: list, stop: asyncio.Event):
     async with httpx.AsyncClient(timeout=10) as c:
         t0 = time.perf_counter()
         while not stop.is_set():
-            sessions = (await c.get(srv.url + "/healthz")).json()["sessions"]
-            out.append({"t": round(time.perf_counter() - t0, 2), "sessions": sessions, **srv.stats()})
+            out.append(await probe(c, srv, time.perf_counter() - t0))
             try:
                 await asyncio.wait_for(stop.wait(), every)
             except asyncio.TimeoutError:
                 pass
+        out.append(await probe(c, srv, time.perf_counter() - t0))  # once every client has finished
 
 
 async def soak(srv, conc, duration, max_tokens, warmup):
@@ -40,8 +56,14 @@ async def soak(srv, conc, duration, max_tokens, warmup):
     await sampler
     after = [s for s in samples if s["t"] >= warmup] or samples
     base = after[0]["rss_bytes"]
+
+    def mean(lo, hi):
+        xs = [s["rss_bytes"] for s in samples if lo <= s["t"] < hi]
+        return sum(xs) / len(xs) if xs else float("nan")
+    first, last = mean(warmup, warmup + 10), mean(duration - 10, duration)
     return {"load": res, "samples": samples, "rss_after_warmup": base, "rss_max_after_warmup": max(s["rss_bytes"] for s in after),
             "rss_growth_after_warmup": max(s["rss_bytes"] for s in after) / base - 1,
+            "rss_mean_first_10s_after_warmup": first, "rss_mean_last_10s": last, "rss_drift": last / first - 1,
             "fds_start": samples[0]["fds"], "fds_end": samples[-1]["fds"],
             "sessions_end": samples[-1]["sessions"]}
 
@@ -53,17 +75,27 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--warmup", type=float, default=15, help="seconds before memory growth is measured")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--allocator", choices=["glibc", "jemalloc"], default="glibc",
+                    help="jemalloc: the server runs with libjemalloc preloaded (as in the Docker image)")
     ap.add_argument("--out", default="benchmarks/results/soak.json")
     a = ap.parse_args()
-    srv = LocalServer(threads=a.threads)
+    env = {}
+    if a.allocator == "jemalloc":
+        lib = ctypes.util.find_library("jemalloc")
+        if lib is None:
+            sys.exit("libjemalloc not found (Debian: apt-get install libjemalloc2)")
+        env["LD_PRELOAD"] = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), lib]))
+    srv = LocalServer(env=env, threads=a.threads)
     try:
         res = asyncio.run(soak(srv, a.concurrency, a.duration, a.max_tokens, a.warmup))
     finally:
         srv.stop()
+    res["allocator"] = a.allocator
     res["command"] = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
     errors = sum(res["load"]["errors"].values())
     print(f"{a.concurrency} streams for {a.duration:.0f} s: {res['load']['tokens_per_s']:.0f} tok/s, {errors} errors, "
-          f"RSS growth after warm-up {100 * res['rss_growth_after_warmup']:.1f} %, fds {res['fds_start']} -> {res['fds_end']}, "
+          f"RSS after warm-up: peak +{100 * res['rss_growth_after_warmup']:.1f} %, drift {100 * res['rss_drift']:+.1f} % "
+          f"({a.allocator}), fds {res['fds_start']} -> {res['fds_end']}, "
           f"sessions left {res['sessions_end']}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2) + "\n")

@@ -46,8 +46,8 @@ async def worker(c: AsyncClient, deadline: float, m: int, model, prompt: str, st
     finally:
         try:
             await c.delete(s["id"])
-        except (LinstreamError, httpx.HTTPError):
-            pass
+        except (LinstreamError, httpx.HTTPError) as e:  # a session left behind is an error too
+            st["errors"]["delete:" + getattr(e, "type", type(e).__name__)] += 1
 
 
 async def level(url, conc, duration, m, model, prompt) -> dict:

@@ -40,10 +40,13 @@ class LocalServer:
         raise RuntimeError("server did not come up")
 
     def stats(self) -> dict:
-        """Resident memory and open file descriptors of the server process (Linux /proc)."""
+        """Resident memory (all, anonymous, file-backed pages such as library code) and open file
+        descriptors of the server process (Linux /proc)."""
         pid = self.proc.pid
-        rss = next(int(ln.split()[1]) * 1024 for ln in open(f"/proc/{pid}/status") if ln.startswith("VmRSS"))
-        return {"rss_bytes": rss, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+        with open(f"/proc/{pid}/status") as f:
+            kb = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ln.startswith(("VmRSS", "RssAnon", "RssFile"))}
+        return {"rss_bytes": kb["VmRSS"], "rss_anon_bytes": kb["RssAnon"], "rss_file_bytes": kb["RssFile"],
+                "fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
     def stop(self):
         self.proc.terminate()

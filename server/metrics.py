@@ -32,4 +32,7 @@ class Metrics:
                                registry=r)
         self.unpersisted = Gauge("linstream_sessions_unpersisted",
                                  "Sessions whose latest state could not be written to the store yet", registry=r)
+        self.heap_in_use = Gauge("linstream_heap_in_use_bytes", "Bytes allocated from the C heap and in use", registry=r)
+        self.heap_free = Gauge("linstream_heap_free_bytes", "Bytes the allocator holds beyond those in use",
+                               registry=r)
         self.rss = Gauge("linstream_resident_memory_bytes", "Resident memory of the server process", registry=r)
