@@ -96,7 +96,10 @@ class LM(nn.Module):
         return logits, State(new, state.position + tokens.shape[1], state.time_dims, logits[:, -1])
 
     def step(self, tokens: Tensor, state: State):
-        """One token per row: tokens (B,), rows may sit at different positions."""
+        """One token per row: tokens (B,), rows may sit at different positions. The state's
+        tensors are updated where they lie (the recurrent mixers' S/z, the KV caches) and returned
+        in the new State: decoding makes no state-sized temporaries. Keep a copy (State.clone)
+        to step from the same state twice."""
         x = self.embed(tokens)  # (B, D)
         new = []
         for i, block in enumerate(self.blocks):

@@ -71,12 +71,16 @@ def test_linear_kernels(T, chunk):
     on, (Sn, zn) = linear_attn_naive(q, k, v, gamma, (S0, z0))
     oc, (Sc, zc) = linear_attn_chunked(q, k, v, gamma, (S0, z0), True, chunk_size=chunk)
     st, os_ = (S0, z0), []
+    inp = (S0.transpose(2, 3).clone().transpose(2, 3), z0.clone())  # the decode form, on a non-contiguous S
     for t in range(T):
         o, st = linear_attn_step(q[:, :, t], k[:, :, t], v[:, :, t], gamma, st)
+        oi, out = linear_attn_step(q[:, :, t], k[:, :, t], v[:, :, t], gamma, inp, inplace=True)
+        assert out[0] is inp[0] and out[1] is inp[1]  # updated where it lies
+        torch.testing.assert_close(oi, o, **TOL)
         os_.append(o)
     for o in (oc, torch.stack(os_, 2)):
         torch.testing.assert_close(o, on, **TOL)
-    for S, z in ((Sc, zc), st):
+    for S, z in ((Sc, zc), st, inp):
         torch.testing.assert_close(S, Sn, **TOL)
         torch.testing.assert_close(z, zn, **TOL)
 
@@ -132,12 +136,16 @@ def test_gated_kernels(T, chunk, exclusive):
     on, Sn = gated_attn_naive(q, k, v, logd, S0, bonus)
     oc, Sc = gated_attn_chunked(q, k, v, logd, S0, True, chunk, bonus)
     S, os_ = S0, []
+    Si = S0.clone()
     for t in range(T):
         o, S = gated_attn_step(q[:, :, t], k[:, :, t], v[:, :, t], logd[:, :, t], S, bonus)
+        oi, out = gated_attn_step(q[:, :, t], k[:, :, t], v[:, :, t], logd[:, :, t], Si, bonus, inplace=True)
+        assert out is Si  # updated where it lies
+        torch.testing.assert_close(oi, o, **TOL)
         os_.append(o)
     for o in (oc, torch.stack(os_, 2)):
         torch.testing.assert_close(o, on, **TOL)
-    for s in (Sc, S):
+    for s in (Sc, S, Si):
         torch.testing.assert_close(s, Sn, **TOL)
 
 

@@ -46,14 +46,15 @@ def gated_attn_naive(q, k, v, g, initial_state=None, bonus=None):
     return (torch.stack(out, 2) if out else v.new_zeros(B, H, 0, v.shape[-1])), S
 
 
-def gated_attn_step(q, k, v, g, S, bonus=None):
-    """One token: q, k, g (B, H, K), v (B, H, V), S (B, H, K, V) -> o (B, H, V), S."""
-    kv = k[..., :, None] * v[..., None, :]
-    if bonus is None:
-        S = torch.exp(g)[..., None] * S + kv
-        return torch.einsum("bhk,bhkv->bhv", q, S), S
-    o = torch.einsum("bhk,bhkv->bhv", q, S) + (q * bonus * k).sum(-1, keepdim=True) * v
-    return o, torch.exp(g)[..., None] * S + kv
+def gated_attn_step(q, k, v, g, S, bonus=None, inplace=False):
+    """One token: q, k, g (B, H, K), v (B, H, V), S (B, H, K, V) -> o (B, H, V), S.
+    inplace: update S where it lies (decode; no state-sized temporaries) and return it."""
+    o = None if bonus is None else torch.einsum("bhk,bhkv->bhv", q, S) + (q * bonus * k).sum(-1, keepdim=True) * v
+    if inplace:
+        S.mul_(torch.exp(g)[..., None]).addcmul_(k[..., :, None], v[..., None, :])
+    else:
+        S = torch.exp(g)[..., None] * S + k[..., :, None] * v[..., None, :]
+    return (torch.einsum("bhk,bhkv->bhv", q, S) if o is None else o), S
 
 
 def gated_attn_chunked(q, k, v, g, initial_state=None, output_final_state=False, chunk_size=16, bonus=None):
@@ -134,7 +135,7 @@ class GatedLinearAttention(nn.Module):
     def step(self, x, state, pos=None):
         qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias)
         q, k, v, g = (t[:, :, 0] for t in self._qkvg(qkv[:, None], x[:, None]))
-        o, S = gated_attn_step(q, k, v, g, state["S"])
+        o, S = gated_attn_step(q, k, v, g, state["S"], inplace=True)
         return self._out(o[:, :, None], x[:, None])[:, 0], {"S": S, "conv": tail}
 
     def naive(self, x, state, pos=None):

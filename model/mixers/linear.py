@@ -50,12 +50,17 @@ def decayed_attn_naive(q, k, v, gamma, initial_state=None):
         q.new_zeros(B, H, 0) if T == 0 else torch.stack(dens, 2), (S, z)
 
 
-def decayed_attn_step(q, k, v, gamma, state):
-    """One token: q, k (B, H, K), v (B, H, V); state (S, z). Returns num (B, H, V), den (B, H), (S, z)."""
+def decayed_attn_step(q, k, v, gamma, state, inplace=False):
+    """One token: q, k (B, H, K), v (B, H, V); state (S, z). Returns num (B, H, V), den (B, H), (S, z).
+    inplace: update S and z where they lie (decode; no state-sized temporaries) and return them."""
     S, z = state
     g = gamma[None, :, None]
-    S = g[..., None] * S + k[..., :, None] * v[..., None, :]
-    z = g * z + k
+    if inplace:
+        S.mul_(g[..., None]).addcmul_(k[..., :, None], v[..., None, :])
+        z.mul_(g).add_(k)
+    else:
+        S = g[..., None] * S + k[..., :, None] * v[..., None, :]
+        z = g * z + k
     return torch.einsum("bhk,bhkv->bhv", q, S), torch.einsum("bhk,bhk->bh", q, z), (S, z)
 
 
@@ -108,9 +113,9 @@ def linear_attn_naive(q, k, v, gamma, initial_state=None, eps=EPS):
     return num / (den[..., None] + eps), state
 
 
-def linear_attn_step(q, k, v, gamma, state, eps=EPS):
+def linear_attn_step(q, k, v, gamma, state, eps=EPS, inplace=False):
     """One token: q, k (B, H, K), v (B, H, V); state (S, z). Returns o (B, H, V), (S, z)."""
-    num, den, state = decayed_attn_step(q, k, v, gamma, state)
+    num, den, state = decayed_attn_step(q, k, v, gamma, state, inplace)
     return num / (den[..., None] + eps), state
 
 
@@ -181,7 +186,8 @@ class LinearAttention(nn.Module):
     def step(self, x, state, pos=None):
         qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias)
         q, k, v = self._qkv(qkv[:, None])
-        o, (S, z) = linear_attn_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.gamma, (state["S"], state["z"]))
+        o, (S, z) = linear_attn_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.gamma, (state["S"], state["z"]),
+                                     inplace=True)
         return self._out(o[:, :, None], x[:, None])[:, 0], {"S": S, "z": z, "conv": tail}
 
     def naive(self, x, state, pos=None):

@@ -99,7 +99,8 @@ class Performer(nn.Module):
     def step(self, x, state, pos=None):
         qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias)
         q, k, v = self._qkv(qkv[:, None])
-        o, (S, z) = linear_attn_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.gamma, (state["S"], state["z"]))
+        o, (S, z) = linear_attn_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.gamma, (state["S"], state["z"]),
+                                     inplace=True)
         return self._out(o[:, :, None], x[:, None])[:, 0], {"S": S, "z": z, "conv": tail}
 
     def naive(self, x, state, pos=None):

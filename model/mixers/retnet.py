@@ -88,7 +88,8 @@ class Retention(nn.Module):
         positions = pos[:, None, None]  # (B, 1, 1)
         qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias)
         q, k, v = self._qkv(qkv[:, None], positions)
-        num, den, (S, z) = decayed_attn_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.gamma, (state["S"], state["z"]))
+        num, den, (S, z) = decayed_attn_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.gamma, (state["S"], state["z"]),
+                                             inplace=True)
         return self._out(num[:, :, None], den[:, :, None], positions, x[:, None])[:, 0], {"S": S, "z": z, "conv": tail}
 
     def naive(self, x, state, pos):

@@ -99,7 +99,7 @@ class RWKV6TimeMix(nn.Module):
 
     def step(self, x, state, pos=None):
         r, k, v, logw, g = self._project(x[:, None], state["shift"][:, None])
-        o, S = gated_attn_step(r[:, :, 0], k[:, :, 0], v[:, :, 0], logw[:, :, 0], state["S"], self.bonus)
+        o, S = gated_attn_step(r[:, :, 0], k[:, :, 0], v[:, :, 0], logw[:, :, 0], state["S"], self.bonus, inplace=True)
         return self._out(o[:, :, None], g)[:, 0], {"S": S, "shift": x}
 
     def naive(self, x, state, pos=None):
