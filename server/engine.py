@@ -219,6 +219,8 @@ class Engine:
     def _decode(self):
         first, step = [], []
         for j in list(self.jobs):
+            if j.saved is not None and j.yielded >= j.consumed:
+                j.saved = None  # delivered: no rollback needed, and the step's copy must not outlive it
             if j.cancelled:
                 if j.yielded < j.consumed:  # consumed, never delivered: roll the row back
                     saved, i = j.saved
@@ -303,6 +305,7 @@ class Engine:
 
     def _finish(self, j: Job):
         self.jobs.remove(j)
+        j.saved = None
         self.decoders.pop(id(j), None)
         if j.finish is None:
             j.finish = "cancelled" if j.cancelled else "length"
