@@ -2,10 +2,10 @@
 server's resident memory (and what its C heap holds), open file descriptors and sessions.
 Starts its own server on a loopback port and stops by itself.
 
-Memory growth after warm-up is given two ways: the highest sample over the first one after
-warm-up (what the hardening goal names; one sample swings by several % as a decode step's
-buffers come and go), and the mean of the last 10 s of load over the mean of the first 10 s
-after warm-up (the drift).
+Warm-up lasts until the load is at its steady operating point (the mean decode batch has
+reached its steady value; see steady_from), or --warmup seconds. Memory growth after it is
+given two ways: the highest sample over the first one after warm-up, and the mean of the last
+10 s of load over the mean of the first 10 s after warm-up (the drift).
 
     python benchmarks/soak.py --concurrency 256 --duration 60 --out benchmarks/results/soak.json
     python benchmarks/soak.py --allocator jemalloc --out benchmarks/results/soak_jemalloc.json
@@ -32,7 +32,8 @@ async def probe(c: httpx.AsyncClient, srv: LocalServer, t: float) -> dict:
     sessions = (await c.get(srv.url + "/healthz")).json()["sessions"]
     m = (await c.get(srv.url + "/metrics")).text
     heap = {f"heap_{k}_bytes": metric(m, f"linstream_heap_{k}_bytes") for k in ("in_use", "free")}
-    return {"t": round(t, 2), "sessions": sessions, **srv.stats(), **heap}
+    steps = {k: metric(m, f"linstream_decode_batch_size_{k}") for k in ("sum", "count")}  # rows stepped, steps
+    return {"t": round(t, 2), "sessions": sessions, **srv.stats(), **heap, "rows_stepped": steps["sum"], "steps": steps["count"]}
 
 
 async def sample(srv: LocalServer, every: float, out: list, stop: asyncio.Event):
@@ -47,6 +48,18 @@ async def sample(srv: LocalServer, every: float, out: list, stop: asyncio.Event)
         out.append(await probe(c, srv, time.perf_counter() - t0))  # once every client has finished
 
 
+def steady_from(samples: list, duration: float) -> float:
+    """When the load reaches its steady operating point: the first sample whose mean decode batch
+    is within 5 % of the median over the second half of the run. 256 streams start together and
+    take ~40 s to spread over the decode steps; until then batches, and with them the per-step
+    buffers, are still growing."""
+    batches = sorted(s["mean_batch"] for s in samples if s.get("mean_batch") and duration / 2 <= s["t"] < duration)
+    if not batches:
+        return 0.0
+    target = 0.95 * batches[len(batches) // 2]
+    return next(s["t"] for s in samples if (s.get("mean_batch") or 0) >= target)
+
+
 async def soak(srv, conc, duration, max_tokens, warmup):
     samples, stop = [], asyncio.Event()
     sampler = asyncio.create_task(sample(srv, 2.0, samples, stop))
@@ -54,6 +67,11 @@ async def soak(srv, conc, duration, max_tokens, warmup):
     await asyncio.sleep(1.0)
     stop.set()
     await sampler
+    for a, b in zip(samples, samples[1:]):  # mean decode batch between two samples
+        n = (b["steps"] or 0) - (a["steps"] or 0)
+        b["mean_batch"] = round(((b["rows_stepped"] or 0) - (a["rows_stepped"] or 0)) / n, 1) if n else None
+    if warmup is None:
+        warmup = steady_from(samples, duration)
     after = [s for s in samples if s["t"] >= warmup] or samples
     base = after[0]["rss_bytes"]
 
@@ -61,7 +79,8 @@ async def soak(srv, conc, duration, max_tokens, warmup):
         xs = [s["rss_bytes"] for s in samples if lo <= s["t"] < hi]
         return sum(xs) / len(xs) if xs else float("nan")
     first, last = mean(warmup, warmup + 10), mean(duration - 10, duration)
-    return {"load": res, "samples": samples, "rss_after_warmup": base, "rss_max_after_warmup": max(s["rss_bytes"] for s in after),
+    return {"load": res, "samples": samples, "warmup_s": warmup, "rss_after_warmup": base,
+            "rss_max_after_warmup": max(s["rss_bytes"] for s in after),
             "rss_growth_after_warmup": max(s["rss_bytes"] for s in after) / base - 1,
             "rss_mean_first_10s_after_warmup": first, "rss_mean_last_10s": last, "rss_drift": last / first - 1,
             "fds_start": samples[0]["fds"], "fds_end": samples[-1]["fds"],
@@ -73,7 +92,8 @@ def main():
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--duration", type=float, default=60)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--warmup", type=float, default=15, help="seconds before memory growth is measured")
+    ap.add_argument("--warmup", type=float, default=None,
+                    help="seconds before memory growth is measured (default: until the decode batch is steady)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--allocator", choices=["glibc", "jemalloc"], default="glibc",
                     help="jemalloc: the server runs with libjemalloc preloaded (as in the Docker image)")
@@ -94,7 +114,7 @@ def main():
     res["command"] = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
     errors = sum(res["load"]["errors"].values())
     print(f"{a.concurrency} streams for {a.duration:.0f} s: {res['load']['tokens_per_s']:.0f} tok/s, {errors} errors, "
-          f"RSS after warm-up: peak +{100 * res['rss_growth_after_warmup']:.1f} %, drift {100 * res['rss_drift']:+.1f} % "
+          f"warm-up {res['warmup_s']:.0f} s; RSS after it: peak +{100 * res['rss_growth_after_warmup']:.1f} %, drift {100 * res['rss_drift']:+.1f} % "
           f"({a.allocator}), fds {res['fds_start']} -> {res['fds_end']}, "
           f"sessions left {res['sessions_end']}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
