@@ -2,6 +2,10 @@
 FROM python:3.11-slim
 WORKDIR /app
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+# jemalloc instead of glibc's malloc: it hands the decode step's freed buffers back to the OS,
+# where glibc's arenas keep them (benchmarks/soak.py --allocator; README "Soak")
+RUN apt-get update && apt-get install -y --no-install-recommends libjemalloc2 && rm -rf /var/lib/apt/lists/*
+ENV LD_PRELOAD=libjemalloc.so.2
 # torch first, so the project's `torch>=2.4` is already met. For a small CPU-only image pass
 # --build-arg TORCH_INDEX=<a CPU wheel index>; without it pip takes its default build.
 ARG TORCH_INDEX=""

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce every figure under benchmarks/results/ on one machine (about 50 minutes on 2 cores).
+# Reproduce every figure under benchmarks/results/ on one machine (about 60 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=benchmarks/results
@@ -20,4 +20,7 @@ linstream bench latency --url http://127.0.0.1:$port --threads 1 --contexts 128,
 linstream loadtest --url http://127.0.0.1:$port --model linear --concurrency 1,8,64,256 --duration 20 \
     --out $out/loadtest | tee $out/loadtest.txt
 python benchmarks/soak.py --concurrency 256 --duration 60 --out $out/soak.json
+python benchmarks/soak.py --concurrency 256 --duration 60 --allocator jemalloc --out $out/soak_jemalloc.json
+python benchmarks/faults.py --concurrency 256 --duration 30 --signal term
+python benchmarks/faults.py --concurrency 256 --duration 30 --signal kill
 python benchmarks/fuzz_api.py --examples 100 --out $out/fuzz_api.json
