@@ -35,8 +35,17 @@ def serve(
     given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
              "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl}
     settings = Settings(**{k: v for k, v in given.items() if v is not None and v != []})
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level,
-                timeout_graceful_shutdown=settings.graceful_shutdown_s)
+    app = create_app(settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: streams run on, then end cleanly
+            rt = getattr(app.state, "runtime", None)
+            if rt is not None:
+                rt.begin_drain()
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
+                          timeout_graceful_shutdown=settings.graceful_shutdown_s)).run()
 
 
 def main():

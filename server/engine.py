@@ -52,6 +52,7 @@ class Job:
     saved: tuple | None = None  # (rows copy, index): the row before its last, undelivered, consumed token
     finish: str | None = None
     cancelled: bool = False
+    end_reason: str | None = None  # why the server ended it early ("shutdown"), reported instead of "cancelled"
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_last: float | None = None

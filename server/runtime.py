@@ -51,6 +51,8 @@ class Runtime:
         self.buckets = TokenBuckets(settings.tokens_per_minute_per_key)
         self.background: set[asyncio.Task] = set()
         self.loops: list[asyncio.Task] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.draining = False  # SIGTERM received: no new generations; running ones end by the deadline
         self.leases = Leases(settings.store, settings.replica_lease) if settings.store.startswith(("redis", "unix")) else None
         if settings.threads:
             torch.set_num_threads(settings.threads)
@@ -66,6 +68,7 @@ class Runtime:
         self.default = next(iter(self.engines))
 
     def start(self):
+        self.loop = asyncio.get_running_loop()
         for e in self.engines.values():
             e.start()
         loops = [self._flush_dirty(), self._trim_heap()]
@@ -74,6 +77,24 @@ class Runtime:
         if self.leases:
             loops.append(self._renew_leases())
         self.loops = [self.spawn(c) for c in loops]
+
+    def begin_drain(self) -> None:
+        """On SIGTERM (called from the signal handler): refuse new generations, let running ones
+        go on, and end those still running shortly before the shutdown grace period runs out,
+        cleanly: each gets its `done` event (finish_reason "shutdown") once its session is
+        written with exactly the tokens it delivered."""
+        if self.draining or self.loop is None:
+            return
+        self.draining = True
+        grace = self.settings.graceful_shutdown_s
+        self.loop.call_soon_threadsafe(lambda: self.spawn(self._end_streams_after(max(0.0, grace - min(2.0, grace / 2)))))
+
+    async def _end_streams_after(self, delay: float):
+        await asyncio.sleep(delay)
+        for eng in self.engines.values():
+            for j in list(eng.jobs):
+                j.end_reason = "shutdown"  # its handler cancels it at the next token (streaming.events)
+            eng.wake()
 
     async def stop(self, drain_s: float = 10.0):
         """Shutdown, after the HTTP server has stopped taking requests and ended its streams:
@@ -438,6 +459,9 @@ class Runtime:
     def admit(self, eng: Engine, owner: str) -> None:
         """Admission control: a bounded queue per model, optional per-key limits."""
         cfg = self.settings
+        if self.draining:
+            raise APIError(503, "shutting_down", "the server is shutting down; retry on another replica or after restart",
+                           headers={"Retry-After": "1"})
         if len(eng.jobs) >= cfg.max_batch + cfg.max_queue:
             raise APIError(503, "overloaded", f"model {eng.name!r} has {len(eng.jobs)} generations in flight; retry shortly",
                            headers={"Retry-After": "1"})

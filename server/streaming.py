@@ -21,7 +21,8 @@ async def events(job: Job, eng: Engine, s: Session, rt) -> AsyncIterator[tuple[s
     """("token", {...}) per token, then ("done", {...}) once the session is persisted and
     released ("persisted": false if the store could not be reached: the session then stays in
     memory and is written when the store is back). An abandoned stream is cancelled and finished
-    in the background."""
+    in the background. Only this handler cancels a job it is streaming (it alone knows which
+    tokens left), so a server-side end (job.end_reason) takes effect at its next token."""
     start = s.position
     try:
         while True:
@@ -34,10 +35,15 @@ async def events(job: Job, eng: Engine, s: Session, rt) -> AsyncIterator[tuple[s
                 except StoreUnavailable:  # kept in memory, written when the store is back
                     persisted = False
                 n = job.yielded
-                yield "done", {"finish_reason": job.finish,
+                yield "done", {"finish_reason": job.end_reason or job.finish,
                                "usage": {"prompt_tokens": start, "completion_tokens": n, "total_tokens": start + n},
                                "timings": job.timings(), "persisted": persisted}
                 return
+            if job.end_reason or job.cancelled:  # the server is ending this generation (shutdown):
+                if not job.cancelled:  # this token is not handed over; the engine rolls it back
+                    job.cancelled = True
+                    eng.wake()
+                continue  # until the engine's done
             ev["position"] = start + job.yielded + 1
             yield "token", ev
             s.tokens.append(ev["token"])  # reached only once the event was handed over
@@ -51,10 +57,12 @@ async def events(job: Job, eng: Engine, s: Session, rt) -> AsyncIterator[tuple[s
             job.closing = rt.spawn(rt.finish_generation(job, s))
 
 
-def sse_response(gen, send_timeout: float) -> EventSourceResponse:
+def sse_response(gen, send_timeout: float, shutdown_grace: float) -> EventSourceResponse:
     """SSE with pings, and a reader too slow to take an event within `send_timeout` seconds loses
-    the stream (its session keeps exactly what was delivered) instead of holding a decode slot."""
-    return EventSourceResponse(gen, ping=15, send_timeout=send_timeout)
+    the stream (its session keeps exactly what was delivered) instead of holding a decode slot.
+    On SIGTERM the stream runs on (sse-starlette would otherwise cut it at once) until it ends
+    or the runtime ends it within `shutdown_grace` seconds (Runtime.begin_drain)."""
+    return EventSourceResponse(gen, ping=15, send_timeout=send_timeout, shutdown_grace_period=shutdown_grace)
 
 
 async def sse(job: Job, eng: Engine, s: Session, rt):

@@ -121,7 +121,7 @@ async def completions(req: Completion, rt: RT, owner: Owner):
                 if kind == "done":
                     yield {"data": json.dumps({**base, "choices": [], "usage": ev["usage"]})}
             yield {"data": "[DONE]"}
-        return sse_response(gen(), rt.settings.stream_send_timeout)
+        return sse_response(gen(), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s)
 
     done = await collect(job, eng, s, rt)
     lp = None
@@ -134,7 +134,7 @@ async def completions(req: Completion, rt: RT, owner: Owner):
 
 
 def _finish(reason: str) -> str:
-    return "stop" if reason in ("stop", "cancelled") else "length"
+    return "stop" if reason in ("stop", "cancelled", "shutdown") else "length"
 
 
 @router.post("/chat/completions")
@@ -155,7 +155,7 @@ async def chat(req: Chat, rt: RT, owner: Owner):
                     choice = {"index": 0, "delta": {}, "finish_reason": _finish(ev["finish_reason"])}
                 yield {"data": json.dumps({**base, "choices": [choice]})}
             yield {"data": "[DONE]"}
-        return sse_response(gen(), rt.settings.stream_send_timeout)
+        return sse_response(gen(), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s)
 
     done = await collect(job, eng, s, rt)
     return {**base, "object": "chat.completion",

@@ -85,7 +85,7 @@ async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
         job = rt.generate(s, params, req.logprobs)
     eng = rt.engines[s.model]
     if req.stream:
-        return sse_response(sse(job, eng, s, rt), rt.settings.stream_send_timeout)
+        return sse_response(sse(job, eng, s, rt), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s)
     return await collect(job, eng, s, rt)
 
 
