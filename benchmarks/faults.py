@@ -34,11 +34,12 @@ def main():
         res = asyncio.run(run(lambda: LocalServer([a.model], env), a.concurrency, a.duration, a.signal, a.hangup))
     res["command"] = "python benchmarks/faults.py " + " ".join(sys.argv[1:])
     print(f"{a.concurrency} sessions, {res['streams']} streams in {res['load_s']:.0f} s, {res['hangups']} hang-ups; "
-          f"SIG{a.signal.upper()} with {res['mid_stream_at_signal']} mid-stream (exit {res['exit_code']}); "
+          f"SIG{a.signal.upper()} with {res['mid_stream_at_signal']} mid-stream, {res['ended_with_done']} of them ended with "
+          f"a done event (exit {res['exit_code']}); "
           f"restart {res['restart_s']:.1f} s; after it: {res['exact']} exact, {res['acked_only']} at their acknowledged "
           f"state, {res['acked_plus_part']} acknowledged + part of the cut stream; lost {len(res['lost'])}, "
           f"invented {len(res['invented'])}, state mismatches {len(res['state_mismatch'])} "
-          f"(max |diff| {res['max_state_diff']:.2e}), could not continue {len(res['continue_failed'])}, "
+          f"(largest relative difference {res['max_state_diff']:.1e}), could not continue {len(res['continue_failed'])}, "
           f"errors {len(res['errors'])}")
     for e in res["errors"][:5]:
         print("  error:", e)

@@ -37,6 +37,7 @@ class Client:
     streams: int = 0
     hangups: int = 0
     unpersisted: int = 0  # done events with persisted false (the store was down; not expected here)
+    last_done: bool = False  # the stream running at the signal got its done event
 
 
 async def stream(c: httpx.AsyncClient, cl: Client, max_tokens: int, hang_up_after: int | None, seed: int) -> bool:
@@ -101,9 +102,9 @@ async def worker(c: httpx.AsyncClient, cl: Client, rng: random.Random, p_hangup:
 async def killed_stream(c: httpx.AsyncClient, cl: Client, seed: int):
     """The last stream: long, read until the server goes away."""
     try:
-        await stream(c, cl, 4000, None, seed)
+        cl.last_done = await stream(c, cl, 4000, None, seed)  # ended by the shutdown: done event
     except (httpx.HTTPError, RuntimeError):
-        pass  # cut by the shutdown or the kill
+        pass  # cut by the kill
 
 
 def state_diff(a: bytes, b: bytes) -> float:
@@ -200,7 +201,7 @@ async def run(start_server, concurrency: int, duration: float, sig: str, p_hangu
     return {"concurrency": concurrency, "duration_s": duration, "signal": sig, "p_hangup": p_hangup,
             "load_s": round(load_s, 2), "streams": sum(cl.streams for cl in clients),
             "hangups": sum(cl.hangups for cl in clients), "unpersisted_done": sum(cl.unpersisted for cl in clients),
-            "errors": errors, "mid_stream_at_signal": mid_stream, "exit_code": exit_code,
+            "errors": errors, "mid_stream_at_signal": mid_stream, "ended_with_done": sum(cl.last_done for cl in clients), "exit_code": exit_code,
             "restart_s": round(restart_s, 2), "state_mismatch_before_signal": mismatch_before, **checks}
 
 
