@@ -87,7 +87,8 @@ class Runtime:
             return
         self.draining = True
         grace = self.settings.graceful_shutdown_s
-        self.loop.call_soon_threadsafe(lambda: self.spawn(self._end_streams_after(max(0.0, grace - min(2.0, grace / 2)))))
+        end = grace - min(5.0, grace / 2)  # leave time to write every ended session (256: ~1-2 s here)
+        self.loop.call_soon_threadsafe(lambda: self.spawn(self._end_streams_after(end)))
 
     async def _end_streams_after(self, delay: float):
         await asyncio.sleep(delay)
