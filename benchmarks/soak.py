@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes.util
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -96,16 +94,11 @@ def main():
                     help="seconds before memory growth is measured (default: until the decode batch is steady)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--allocator", choices=["glibc", "jemalloc"], default="glibc",
-                    help="jemalloc: the server runs with libjemalloc preloaded (as in the Docker image)")
+                    help="jemalloc: the server runs with libjemalloc preloaded (linstream serve --allocator jemalloc)")
     ap.add_argument("--out", default="benchmarks/results/soak.json")
     a = ap.parse_args()
-    env = {}
-    if a.allocator == "jemalloc":
-        lib = ctypes.util.find_library("jemalloc")
-        if lib is None:
-            sys.exit("libjemalloc not found (Debian: apt-get install libjemalloc2)")
-        env["LD_PRELOAD"] = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), lib]))
-    srv = LocalServer(env=env, threads=a.threads)
+    srv = LocalServer(env={"LINSTREAM_ALLOCATOR": "jemalloc" if a.allocator == "jemalloc" else "system"},
+                      threads=a.threads)
     try:
         res = asyncio.run(soak(srv, a.concurrency, a.duration, a.max_tokens, a.warmup))
     finally:

@@ -26,8 +26,15 @@ def serve(
     api_key: Annotated[Optional[list[str]], typer.Option(help="require this bearer key (repeatable)")] = None,
     api_key_file: Annotated[Optional[str], typer.Option(help="file with one key per line")] = None,
     log_level: Annotated[str, typer.Option()] = "info",
+    allocator: Annotated[str, typer.Option(
+        envvar="LINSTREAM_ALLOCATOR",
+        help="system | jemalloc: restart under libjemalloc (LD_PRELOAD), which keeps resident memory flat under load")] = "system",
 ):
     """Serve models over HTTP. Unset options come from LINSTREAM_* environment variables."""
+    if allocator not in ("system", "jemalloc"):
+        raise typer.BadParameter("use system or jemalloc", param_hint="--allocator")
+    if allocator == "jemalloc":
+        _reexec_with_jemalloc()
     import uvicorn
 
     from server.app import create_app
@@ -46,6 +53,22 @@ def serve(
 
     Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
                           timeout_graceful_shutdown=settings.graceful_shutdown_s)).run()
+
+
+def _reexec_with_jemalloc():
+    """Run this same command again with libjemalloc preloaded: an allocator cannot be swapped
+    once the process has started, and glibc's keeps freed decode buffers (README "Soak")."""
+    import ctypes.util
+    import os
+    import sys
+    preload = os.environ.get("LD_PRELOAD", "")
+    if "jemalloc" in preload:
+        return  # already under it
+    lib = ctypes.util.find_library("jemalloc")
+    if lib is None:
+        raise typer.BadParameter("libjemalloc not found (Debian: apt-get install libjemalloc2)", param_hint="--allocator")
+    env = {**os.environ, "LD_PRELOAD": " ".join(filter(None, [preload, lib]))}
+    os.execve(sys.executable, [sys.executable, "-m", "clients", *sys.argv[1:]], env)
 
 
 def main():

@@ -30,3 +30,18 @@ def test_preloaded_jemalloc_is_read_through_mallctl():
     kind, before, mid, after = probe({"LD_PRELOAD": ctypes.util.find_library("jemalloc") or "libjemalloc.so.2"})
     assert kind == "jemalloc"
     assert mid[0] - before[0] >= 64 << 20 and after[0] < mid[0]
+
+
+@pytest.mark.skipif(not ctypes.util.find_library("jemalloc") and not os.environ.get("CI"), reason="no libjemalloc")
+def test_serve_allocator_jemalloc_runs_the_server_under_it(tmp_path):
+    import httpx
+
+    from .helpers import ServerProcess, make_checkpoint
+    srv = ServerProcess([str(make_checkpoint(tmp_path, "tiny-linear"))], {"LINSTREAM_STORE": "memory"},
+                        "--allocator", "jemalloc")
+    try:
+        with open(f"/proc/{srv.proc.pid}/maps") as f:  # the same process, re-executed with the preload
+            assert "libjemalloc" in f.read()
+        assert httpx.post(srv.url + "/v1/sessions", json={"prompt": "Hi"}).status_code == 201
+    finally:
+        srv.stop()
