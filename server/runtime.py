@@ -39,6 +39,7 @@ from .store import StoreError, StoreUnavailable, open_store
 
 log = logging.getLogger("linstream")
 
+
 class Runtime:
     def __init__(self, settings: Settings):
         self.settings = settings

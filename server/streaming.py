@@ -35,7 +35,8 @@ async def events(job: Job, eng: Engine, s: Session, rt) -> AsyncIterator[tuple[s
                 except StoreUnavailable:  # kept in memory, written when the store is back
                     persisted = False
                 n = job.yielded
-                yield "done", {"finish_reason": job.end_reason or job.finish,
+                reason = job.end_reason if job.finish == "cancelled" and job.end_reason else job.finish
+                yield "done", {"finish_reason": reason,
                                "usage": {"prompt_tokens": start, "completion_tokens": n, "total_tokens": start + n},
                                "timings": job.timings(), "persisted": persisted}
                 return
