@@ -14,6 +14,28 @@ from server.engine import Engine, Job
 from .conftest import TINY
 
 
+PROMPT = [1, 2, 3, 4, 5]
+
+
+async def engine_with_prompt(model, slots, lookahead):
+    """A started engine with one slot prefilled with PROMPT: (engine, slot)."""
+    eng = Engine("m", model, Tok(), slots=slots, prefill_chunk=4, max_batch=8, lookahead=lookahead)
+    eng.start()
+    slot = await eng.call(eng.alloc)
+    await eng.prefill(slot, PROMPT)
+    return eng, slot
+
+
+def assert_state_of(model, state, tokens):
+    """The state is the one a prefill of exactly these tokens gives."""
+    want = prefill(model, tokens, model.init_state(1))
+    assert int(state.position[0]) == len(tokens)
+    for a, b in zip(state.layers, want.layers):
+        for n in a:
+            torch.testing.assert_close(a[n], b[n], atol=2e-5, rtol=1e-4)
+    return want
+
+
 class Tok:  # the tiny models' 64 ids as single letters
     token_bytes = [bytes([65 + i % 26]) for i in range(64)]
 
@@ -28,14 +50,10 @@ class Tok:  # the tiny models' 64 ids as single letters
 def test_abandoned_stream_keeps_exactly_the_delivered_tokens(preset, lookahead, delivered):
     torch.manual_seed(0)
     model = LM(PRESETS[preset]).eval()
-    prompt = [1, 2, 3, 4, 5]
 
     async def run():
-        eng = Engine("m", model, Tok(), slots=3, prefill_chunk=4, max_batch=8, lookahead=lookahead)
-        eng.start()
+        eng, slot = await engine_with_prompt(model, 3, lookahead)
         try:
-            slot = await eng.call(eng.alloc)
-            await eng.prefill(slot, prompt)
             job = Job(slot, SamplingParams(max_tokens=50, temperature=0), asyncio.get_running_loop())
             eng.submit(job)
             got = []
@@ -56,12 +74,8 @@ def test_abandoned_stream_keeps_exactly_the_delivered_tokens(preset, lookahead, 
             eng.stop()
 
     sent, state = asyncio.run(run())
-    want = prefill(model, prompt + sent, model.init_state(1))
-    assert int(state.position[0]) == len(prompt) + len(sent)
+    want = assert_state_of(model, state, PROMPT + sent)
     torch.testing.assert_close(state.next_logits, want.next_logits, atol=2e-5, rtol=1e-4)
-    for a, b in zip(state.layers, want.layers):
-        for n in a:
-            torch.testing.assert_close(a[n], b[n], atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("preset", ["tiny-linear", "tiny-softmax"])
@@ -70,14 +84,10 @@ def test_stream_cancelled_during_the_step_that_ran_ahead_is_rolled_back(preset):
     undelivered token (the two run on different threads); that token must still be rolled back."""
     torch.manual_seed(0)
     model = LM(PRESETS[preset]).eval()
-    prompt = [1, 2, 3, 4, 5]
 
     async def run():
-        eng = Engine("m", model, Tok(), slots=2, prefill_chunk=4, max_batch=8, lookahead=True)
-        eng.start()
+        eng, slot = await engine_with_prompt(model, 2, True)
         try:
-            slot = await eng.call(eng.alloc)
-            await eng.prefill(slot, prompt)
             job = Job(slot, SamplingParams(max_tokens=50, temperature=0), asyncio.get_running_loop())
             step = model.step
 
@@ -98,8 +108,4 @@ def test_stream_cancelled_during_the_step_that_ran_ahead_is_rolled_back(preset):
             eng.stop()
 
     state = asyncio.run(run())
-    want = prefill(model, prompt, model.init_state(1))
-    assert int(state.position[0]) == len(prompt)
-    for a, b in zip(state.layers, want.layers):
-        for n in a:
-            torch.testing.assert_close(a[n], b[n], atol=2e-5, rtol=1e-4)
+    assert_state_of(model, state, PROMPT)
