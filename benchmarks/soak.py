@@ -8,7 +8,9 @@ given two ways: the highest sample over the first one after warm-up, and the mea
 10 s of load over the mean of the first 10 s after warm-up (the drift).
 
     python benchmarks/soak.py --concurrency 256 --duration 60 --out benchmarks/results/soak.json
-    python benchmarks/soak.py --allocator jemalloc --out benchmarks/results/soak_jemalloc.json
+    python benchmarks/soak.py --allocator glibc --out benchmarks/results/soak_glibc.json
+
+The default runs the server as `linstream serve` does: on jemalloc where libjemalloc is installed.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ from clients.stats import metric
 
 
 async def probe(c: httpx.AsyncClient, srv: LocalServer, t: float) -> dict:
-    sessions = (await c.get(srv.url + "/healthz")).json()["sessions"]
     m = (await c.get(srv.url + "/metrics")).text
+    sessions = metric(m, "linstream_active_sessions")
     heap = {f"heap_{k}_bytes": metric(m, f"linstream_heap_{k}_bytes") for k in ("in_use", "free")}
     steps = {k: metric(m, f"linstream_decode_batch_size_{k}") for k in ("sum", "count")}  # rows stepped, steps
     return {"t": round(t, 2), "sessions": sessions, **srv.stats(), **heap, "rows_stepped": steps["sum"], "steps": steps["count"]}
@@ -93,22 +95,24 @@ def main():
     ap.add_argument("--warmup", type=float, default=None,
                     help="seconds before memory growth is measured (default: until the decode batch is steady)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--allocator", choices=["glibc", "jemalloc"], default="glibc",
-                    help="jemalloc: the server runs with libjemalloc preloaded (linstream serve --allocator jemalloc)")
+    ap.add_argument("--allocator", choices=["auto", "glibc", "jemalloc"], default="auto",
+                    help="linstream serve --allocator (glibc = system); auto, its default, takes jemalloc where installed")
     ap.add_argument("--out", default="benchmarks/results/soak.json")
     a = ap.parse_args()
-    srv = LocalServer(env={"LINSTREAM_ALLOCATOR": "jemalloc" if a.allocator == "jemalloc" else "system"},
+    srv = LocalServer(env={"LINSTREAM_ALLOCATOR": "system" if a.allocator == "glibc" else a.allocator},
                       threads=a.threads)
     try:
+        with open(f"/proc/{srv.proc.pid}/maps") as f:  # what the server really runs on
+            used = "jemalloc" if "libjemalloc" in f.read() else "glibc"
         res = asyncio.run(soak(srv, a.concurrency, a.duration, a.max_tokens, a.warmup))
     finally:
         srv.stop()
-    res["allocator"] = a.allocator
+    res["allocator"] = f"{a.allocator} ({used})" if a.allocator == "auto" else a.allocator
     res["command"] = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
     errors = sum(res["load"]["errors"].values())
     print(f"{a.concurrency} streams for {a.duration:.0f} s: {res['load']['tokens_per_s']:.0f} tok/s, {errors} errors, "
           f"warm-up {res['warmup_s']:.0f} s; RSS after it: peak +{100 * res['rss_growth_after_warmup']:.1f} %, drift {100 * res['rss_drift']:+.1f} % "
-          f"({a.allocator}), fds {res['fds_start']} -> {res['fds_end']}, "
+          f"({res['allocator']}), fds {res['fds_start']} -> {res['fds_end']}, "
           f"sessions left {res['sessions_end']}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2) + "\n")

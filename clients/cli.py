@@ -28,13 +28,14 @@ def serve(
     log_level: Annotated[str, typer.Option()] = "info",
     allocator: Annotated[str, typer.Option(
         envvar="LINSTREAM_ALLOCATOR",
-        help="system | jemalloc: restart under libjemalloc (LD_PRELOAD), which keeps resident memory flat under load")] = "system",
+        help="auto | system | jemalloc: restart under libjemalloc (LD_PRELOAD), which keeps resident memory "
+             "flat under load; auto does so where libjemalloc is installed")] = "auto",
 ):
     """Serve models over HTTP. Unset options come from LINSTREAM_* environment variables."""
-    if allocator not in ("system", "jemalloc"):
-        raise typer.BadParameter("use system or jemalloc", param_hint="--allocator")
-    if allocator == "jemalloc":
-        _reexec_with_jemalloc()
+    if allocator not in ("auto", "system", "jemalloc"):
+        raise typer.BadParameter("use auto, system or jemalloc", param_hint="--allocator")
+    if allocator != "system":
+        _reexec_with_jemalloc(required=allocator == "jemalloc")
     import uvicorn
 
     from server.app import create_app
@@ -55,9 +56,10 @@ def serve(
                           timeout_graceful_shutdown=settings.graceful_shutdown_s)).run()
 
 
-def _reexec_with_jemalloc():
+def _reexec_with_jemalloc(required: bool):
     """Run this same command again with libjemalloc preloaded: an allocator cannot be swapped
-    once the process has started, and glibc's keeps freed decode buffers (README "Soak")."""
+    once the process has started, and glibc's keeps freed decode buffers (README "Soak").
+    Without the library: an error if it was asked for by name, else go on with glibc's."""
     import ctypes.util
     import os
     import sys
@@ -66,6 +68,8 @@ def _reexec_with_jemalloc():
         return  # already under it
     lib = ctypes.util.find_library("jemalloc")
     if lib is None:
+        if not required:
+            return
         raise typer.BadParameter("libjemalloc not found (Debian: apt-get install libjemalloc2)", param_hint="--allocator")
     env = {**os.environ, "LD_PRELOAD": " ".join(filter(None, [preload, lib]))}
     os.execve(sys.executable, [sys.executable, "-m", "clients", *sys.argv[1:]], env)
