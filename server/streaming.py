@@ -51,19 +51,42 @@ async def events(job: Job, eng: Engine, s: Session, rt) -> AsyncIterator[tuple[s
             job.yielded += 1
             eng.wake()
     finally:
-        if job.finish is None or job.yielded < job.emitted:
-            job.cancelled = True
-            eng.wake()
-        if job.closing is None:
-            job.closing = rt.spawn(rt.finish_generation(job, s))
+        let_go(job, eng, s, rt)
 
 
-def sse_response(gen, send_timeout: float, shutdown_grace: float) -> EventSourceResponse:
+def let_go(job: Job, eng: Engine, s: Session, rt) -> None:
+    """Once no more of the job's tokens can reach the client: cancel what is left of it, and
+    have the session persisted and released (or, if temporary, deleted) once, after the engine
+    is done with it."""
+    if job.finish is None or job.yielded < job.emitted:
+        job.cancelled = True
+        eng.wake()
+    if job.closing is None:
+        job.closing = rt.spawn(rt.finish_generation(job, s))
+
+
+class _Stream(EventSourceResponse):
+    """Calls `ended` when the response is over, however it ends: a client that leaves before
+    the first event is sent never starts the generator, whose own `finally` would not run."""
+
+    def __init__(self, gen, ended, **kw):
+        super().__init__(gen, **kw)
+        self.ended = ended
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ended()
+
+
+def sse_response(gen, send_timeout: float, shutdown_grace: float, ended) -> EventSourceResponse:
     """SSE with pings, and a reader too slow to take an event within `send_timeout` seconds loses
     the stream (its session keeps exactly what was delivered) instead of holding a decode slot.
     On SIGTERM the stream runs on (sse-starlette would otherwise cut it at once) until it ends
-    or the runtime ends it within `shutdown_grace` seconds (Runtime.begin_drain)."""
-    return EventSourceResponse(gen, ping=15, send_timeout=send_timeout, shutdown_grace_period=shutdown_grace)
+    or the runtime ends it within `shutdown_grace` seconds (Runtime.begin_drain). `ended()` runs
+    once the response is over (let_go, to free the job and session)."""
+    return _Stream(gen, ended, ping=15, send_timeout=send_timeout, shutdown_grace_period=shutdown_grace)
 
 
 async def sse(job: Job, eng: Engine, s: Session, rt):

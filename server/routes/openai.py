@@ -5,6 +5,7 @@ and kept), or a temporary one deleted afterwards.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Literal
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..auth import Owner
 from ..errors import APIError
 from ..schemas import Sampling
-from ..streaming import collect, events, sse_response
+from ..streaming import collect, events, let_go, sse_response
 from .deps import RT
 from .sessions import sampling_params
 
@@ -57,18 +58,22 @@ def chat_prompt(messages: list[Message]) -> str:
 
 async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | None, logprobs: int | None):
     """Open or continue the session, push the prompt, start generating. -> (session, engine, job,
-    prompt ids, echo logprobs, temp). A temporary session is deleted once its generation ends."""
+    prompt ids, echo logprobs, temp). What can be refused is checked before a temporary session is
+    made; once made, it is deleted on any way out (a refusal, an error, a cancellation) until its
+    generation owns it, and then when that ends (Runtime.finish_generation)."""
+    params = sampling_params(req, rt)
     if req.session_id:
         s = await rt.find(req.session_id, owner)
         if req.model and req.model != s.model:
             raise APIError(400, "invalid_request", f"session {s.id!r} runs model {s.model!r}")
-        temp = False
+        eng = rt.engines[s.model]
     else:
-        s = await rt.create(req.model, None, None, owner, ephemeral=True)
-        temp = True
-    eng = rt.engines[s.model]
-    params = sampling_params(req, rt)
+        s, eng = None, rt.engine(req.model)
     ids = rt.tokens_of(eng, text, None) if isinstance(text, str) else rt.tokens_of(eng, None, text)
+    temp = s is None
+    if temp:
+        rt.admit(eng, owner)  # draining, overloaded or rate-limited: refused before any work
+        s = await rt.create(req.model, None, None, owner, ephemeral=True)
     try:
         async with rt.use(s.id, owner, release=False):
             start = s.position
@@ -78,9 +83,9 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
                 echo = [(t, None if start == 0 and i == 0 else lp, None if start == 0 and i == 0 else top)
                         for i, (t, (lp, top)) in enumerate(zip(ids, pre.results))]
             job = rt.generate(s, params, logprobs)
-    except Exception:
-        if temp:
-            await rt.delete(s)
+    except BaseException:  # cancellation (the client left, shutdown) included
+        if temp:  # shielded: a second cancellation must not cut the delete short
+            await asyncio.shield(rt.spawn(rt.delete(s)))
         raise
     return s, eng, job, ids, echo, temp
 
@@ -121,7 +126,8 @@ async def completions(req: Completion, rt: RT, owner: Owner):
                 if kind == "done":
                     yield {"data": json.dumps({**base, "choices": [], "usage": ev["usage"]})}
             yield {"data": "[DONE]"}
-        return sse_response(gen(), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s)
+        return sse_response(gen(), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s,
+                            lambda: let_go(job, eng, s, rt))
 
     done = await collect(job, eng, s, rt)
     lp = None
@@ -155,7 +161,8 @@ async def chat(req: Chat, rt: RT, owner: Owner):
                     choice = {"index": 0, "delta": {}, "finish_reason": _finish(ev["finish_reason"])}
                 yield {"data": json.dumps({**base, "choices": [choice]})}
             yield {"data": "[DONE]"}
-        return sse_response(gen(), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s)
+        return sse_response(gen(), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s,
+                            lambda: let_go(job, eng, s, rt))
 
     done = await collect(job, eng, s, rt)
     return {**base, "object": "chat.completion",

@@ -8,7 +8,7 @@ from model.sampling import SamplingParams
 from ..auth import Owner
 from ..errors import APIError
 from ..schemas import CreateSession, Generate, Push, Restore
-from ..streaming import collect, sse, sse_response
+from ..streaming import collect, let_go, sse, sse_response
 from .deps import RT
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
@@ -85,7 +85,8 @@ async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
         job = rt.generate(s, params, req.logprobs)
     eng = rt.engines[s.model]
     if req.stream:
-        return sse_response(sse(job, eng, s, rt), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s)
+        return sse_response(sse(job, eng, s, rt), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s,
+                            lambda: let_go(job, eng, s, rt))
     return await collect(job, eng, s, rt)
 
 
