@@ -25,6 +25,7 @@ def serve(
     session_ttl: Annotated[Optional[float], typer.Option(help="seconds idle before a session expires (0 = never)")] = None,
     api_key: Annotated[Optional[list[str]], typer.Option(help="require this bearer key (repeatable)")] = None,
     api_key_file: Annotated[Optional[str], typer.Option(help="file with one key per line")] = None,
+    max_connections: Annotated[Optional[int], typer.Option(help="connections open at once; more get 503 [default 1024]")] = None,
     log_level: Annotated[str, typer.Option()] = "info",
     allocator: Annotated[str, typer.Option(
         envvar="LINSTREAM_ALLOCATOR",
@@ -39,9 +40,11 @@ def serve(
     import uvicorn
 
     from server.app import create_app
+    from server.connections import fd_headroom, protocol
     from server.settings import Settings
     given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
-             "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl}
+             "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl,
+             "max_connections": max_connections}
     settings = Settings(**{k: v for k, v in given.items() if v is not None and v != []})
     app = create_app(settings)
 
@@ -52,7 +55,9 @@ def serve(
                 rt.begin_drain()
             super().handle_exit(sig, frame)
 
+    conns = fd_headroom(settings.max_connections)
     Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
+                          http=protocol(settings.header_timeout, conns), timeout_keep_alive=settings.keep_alive_timeout,
                           timeout_graceful_shutdown=settings.graceful_shutdown_s)).run()
 
 

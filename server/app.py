@@ -8,8 +8,9 @@ from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException
 
 from . import errors
+from .connections import BodyTimeout
 from .errors import body
-from .routes import openai, sessions, system
+from .routes import docs, openai, sessions, system
 from .runtime import Runtime
 from .schemas import Restore
 from .settings import Settings
@@ -88,11 +89,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await rt.stop()
 
-    app = FastAPI(title="linstream", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="linstream", version="0.1.0", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None,
                   description="Streaming inference for recurrent language models, with explicit sessions.")
     errors.install(app)
-    for r in (sessions.router, openai.router, system.router):
+    for r in (sessions.router, openai.router, system.router, docs.router):
         app.include_router(r)
     app.openapi = lambda: _openapi(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BodyTimeout, timeout=settings.body_timeout)
     return app

@@ -25,29 +25,38 @@ def body(type: str, message: str) -> dict:
     return {"error": {"type": type, "message": message}}
 
 
+def reply(type: str, message: str, status: int, headers: dict | None = None) -> JSONResponse:
+    """The error response. A 5xx also closes the connection (uvicorn closes it after a response
+    carrying `Connection: close`; after an unhandled exception it closes it in any case), and
+    says so, so that a keep-alive client opens a new one instead of meeting a reset."""
+    if status >= 500:
+        headers = {**(headers or {}), "Connection": "close"}
+    return JSONResponse(body(type, message), status, headers=headers)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, e: APIError):
-        return JSONResponse(body(e.type, e.message), e.status, headers=e.headers)
+        return reply(e.type, e.message, e.status, e.headers)
 
     @app.exception_handler(SnapshotError)
     async def _snap(_: Request, e: SnapshotError):
-        return JSONResponse(body(e.kind, str(e)), 400)
+        return reply(e.kind, str(e), 400)
 
     @app.exception_handler(StoreUnavailable)
     async def _store(_: Request, e: StoreUnavailable):
-        return JSONResponse(body("store_unavailable", f"the session store cannot be reached ({e}); nothing was "
-                                 "changed unless this message says otherwise: retry shortly"), 503, headers={"Retry-After": "1"})
+        return reply("store_unavailable", f"the session store cannot be reached ({e}); nothing was "
+                     "changed unless this message says otherwise: retry shortly", 503, {"Retry-After": "1"})
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError):
         msg = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
-        return JSONResponse(body("invalid_request", msg), 422)
+        return reply("invalid_request", msg, 422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
-        return JSONResponse(body("http_error", str(e.detail)), e.status_code, headers=getattr(e, "headers", None))
+        return reply("http_error", str(e.detail), e.status_code, getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception):  # a bug: still JSON, and the server goes on
-        return JSONResponse(body("internal_error", f"{type(e).__name__}: {e}"), 500)
+        return reply("internal_error", f"{type(e).__name__}: {e}", 500)

@@ -54,6 +54,7 @@ class Runtime:
         self.loops: list[asyncio.Task] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False  # SIGTERM received: no new generations; running ones end by the deadline
+        self.drain_timer: asyncio.TimerHandle | None = None  # ends the generations still running (begin_drain)
         self.leases = Leases(settings.store, settings.replica_lease) if settings.store.startswith(("redis", "unix")) else None
         if settings.threads:
             torch.set_num_threads(settings.threads)
@@ -83,16 +84,16 @@ class Runtime:
         """On SIGTERM (called from the signal handler): refuse new generations, let running ones
         go on, and end those still running shortly before the shutdown grace period runs out,
         cleanly: each gets its `done` event (finish_reason "shutdown") once its session is
-        written with exactly the tokens it delivered."""
+        written with exactly the tokens it delivered. A timer, not a task: nothing is left to
+        wait for when the server stops before it fires (an idle server exits at once)."""
         if self.draining or self.loop is None:
             return
         self.draining = True
         grace = self.settings.graceful_shutdown_s
         end = grace - min(5.0, grace / 2)  # leave time to write every ended session (256: ~1-2 s here)
-        self.loop.call_soon_threadsafe(lambda: self.spawn(self._end_streams_after(end)))
+        self.loop.call_soon_threadsafe(lambda: setattr(self, "drain_timer", self.loop.call_later(end, self._end_streams)))
 
-    async def _end_streams_after(self, delay: float):
-        await asyncio.sleep(delay)
+    def _end_streams(self) -> None:
         for eng in self.engines.values():
             for j in list(eng.jobs):
                 j.end_reason = "shutdown"  # its handler cancels it at the next token (streaming.events)
@@ -102,6 +103,8 @@ class Runtime:
         """Shutdown, after the HTTP server has stopped taking requests and ended its streams:
         let the generations it cut write their sessions (each keeps exactly what its client
         received), make a last attempt at sessions the store could not take, then stop."""
+        if self.drain_timer is not None:
+            self.drain_timer.cancel()
         for t in self.loops:
             t.cancel()
         finishing = [t for t in self.background if t not in self.loops]

@@ -27,6 +27,14 @@ class Settings(BaseSettings):
     max_streams_per_key: int = 0  # concurrent generations per API key (0 = unlimited)
     tokens_per_minute_per_key: int = 0  # generated tokens per key per minute (0 = unlimited)
     stream_send_timeout: float = 30.0  # seconds a client may leave one SSE event unread
+    # connections: a request's line and headers must arrive within header_timeout seconds of its
+    # connection opening (or its previous response ending), its body within body_timeout of the
+    # first read; an idle keep-alive connection closes after keep_alive_timeout; connections
+    # beyond max_connections get 503 and are closed (the file-descriptor limit is raised to fit)
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keep_alive_timeout: float = 5.0
+    max_connections: int = 1024
     graceful_shutdown_s: int = 30  # on SIGTERM: stop accepting, let streams finish this long
     lookahead: bool = True  # step a token while its event is being sent (rolled back if it never arrives)
     threads: int = 0  # torch intra-op threads; 0 = torch's default
@@ -40,6 +48,7 @@ class Settings(BaseSettings):
     api_keys: list[str] = Field(default_factory=list)  # when set, every route but /healthz needs one
     api_key_file: Path | None = None  # one key per line; '#' starts a comment
     metrics_public: bool = False  # serve /metrics without a key
+    docs_public: bool = False  # serve /docs, /redoc and /openapi.json without a key
 
     def checkpoint(self, name: str) -> Path:
         p = Path(name)
