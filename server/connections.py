@@ -16,7 +16,7 @@ import resource
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .errors import APIError, body
+from .errors import body, reply
 
 log = logging.getLogger("linstream")
 
@@ -72,8 +72,9 @@ def protocol(header_timeout: float, max_connections: int) -> type[HttpToolsProto
 
 class BodyTimeout:
     """408 (and the connection closed) for a request whose body has not all arrived
-    `timeout` seconds after the app first asked for it. Once the body is complete, `receive`
-    is passed through: a stream waits on it for the client's disconnect for as long as it runs."""
+    `timeout` seconds after the app first asked for it: the app is told the client left, and
+    whatever it answers to that is replaced by the 408. Once the body is complete, `receive` is
+    passed through: a stream waits on it for the client's disconnect for as long as it runs."""
 
     def __init__(self, app, timeout: float):
         self.app, self.timeout = app, timeout
@@ -82,21 +83,35 @@ class BodyTimeout:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         loop = asyncio.get_running_loop()
-        deadline, complete = None, False
+        deadline, complete, timed_out, started = None, False, False, False
 
         async def timed():
-            nonlocal deadline, complete
+            nonlocal deadline, complete, timed_out
             if complete:
                 return await receive()
             deadline = deadline or loop.time() + self.timeout
             try:
                 msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
-                raise APIError(408, "request_timeout", f"the request body did not arrive within {self.timeout:g} s",
-                               headers={"Connection": "close"}) from None
+                timed_out = True
+                return {"type": "http.disconnect"}
             complete = msg["type"] != "http.request" or not msg.get("more_body", False)
             return msg
-        await self.app(scope, timed, send)
+
+        async def sending(msg):
+            nonlocal started
+            if timed_out:
+                return
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+        try:
+            await self.app(scope, timed, sending)
+        except Exception:
+            if not timed_out:
+                raise
+        if timed_out and not started:
+            msg = f"the request body did not arrive within {self.timeout:g} s"
+            await reply("request_timeout", msg, 408, {"Connection": "close"})(scope, receive, send)
 
 
 def fd_headroom(max_connections: int, reserve: int = 128) -> int:
