@@ -21,28 +21,44 @@ from .errors import body, reply
 log = logging.getLogger("linstream")
 
 
-def protocol(header_timeout: float, max_connections: int) -> type[HttpToolsProtocol]:
+def protocol(header_timeout: float, max_connections: int, max_header_bytes: int = 64 << 10) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol, closing a connection whose request line and headers have
-    not all arrived `header_timeout` seconds after it opened or its last response ended, and
-    answering 503 to (and closing) a connection beyond `max_connections`."""
+    not all arrived `header_timeout` seconds after it opened or its last response ended, or
+    run past `max_header_bytes` (431; httptools keeps a header of any size), and answering 503
+    to (and closing) a connection beyond `max_connections`."""
 
     class Protocol(HttpToolsProtocol):
-        _header_timer: asyncio.TimerHandle | None = None
+        _header_timer: asyncio.TimerHandle | None = None  # set while a request's headers are awaited
+        _header_bytes = 0
 
         def connection_made(self, transport):
             super().connection_made(transport)
             if len(self.connections) > max_connections:
-                data = json.dumps(body("too_many_connections", f"the server holds its maximum of {max_connections} "
-                                       "connections; retry shortly")).encode()
-                transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                                b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(data), data))
-                transport.close()
-                return
+                return self._refuse(503, b"Service Unavailable", "too_many_connections",
+                                    f"the server holds its maximum of {max_connections} connections; retry shortly")
             self._await_headers()
+
+        def _refuse(self, status: int, reason: bytes, type: str, message: str):
+            data = json.dumps(body(type, message)).encode()
+            retry = b"retry-after: 1\r\n" if status == 503 else b""
+            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n%sconnection: close\r\n"
+                                 b"content-length: %d\r\n\r\n%s" % (status, reason, retry, len(data), data))
+            self.transport.close()
 
         def _await_headers(self):
             self._cancel_header_timer()
+            self._header_bytes = 0
             self._header_timer = self.loop.call_later(header_timeout, self._headers_too_slow)
+
+        def data_received(self, data):
+            super().data_received(data)
+            # counted after parsing, so that a body sent in the same packet as its headers is not
+            if self._header_timer is not None and not self.transport.is_closing():
+                self._header_bytes += len(data)
+                if self._header_bytes > max_header_bytes:
+                    self._cancel_header_timer()
+                    self._refuse(431, b"Request Header Fields Too Large", "headers_too_large",
+                                 f"request line and headers exceed {max_header_bytes} bytes")
 
         def _cancel_header_timer(self):
             if self._header_timer is not None:

@@ -30,11 +30,13 @@ class Settings(BaseSettings):
     # connections: a request's line and headers must arrive within header_timeout seconds of its
     # connection opening (or its previous response ending), its body within body_timeout of the
     # first read; an idle keep-alive connection closes after keep_alive_timeout; connections
-    # beyond max_connections get 503 and are closed (the file-descriptor limit is raised to fit)
+    # beyond max_connections get 503 and are closed (the file-descriptor limit is raised to fit);
+    # a request line and headers longer than max_header_bytes get 431
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     keep_alive_timeout: float = 5.0
     max_connections: int = 1024
+    max_header_bytes: int = 64 << 10
     graceful_shutdown_s: int = 30  # on SIGTERM: stop accepting, let streams finish this long
     lookahead: bool = True  # step a token while its event is being sent (rolled back if it never arrives)
     threads: int = 0  # torch intra-op threads; 0 = torch's default

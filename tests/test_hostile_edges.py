@@ -204,6 +204,26 @@ def test_slow_headers_are_cut_and_extra_connections_refused_while_healthz_answer
             s.close()
 
 
+def test_endless_headers_get_431_and_a_big_body_is_not_mistaken_for_them(server, bystander):
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\nX-Big: ")
+        try:
+            for _ in range(64):  # 64 MiB; httptools alone would keep all of it
+                s.sendall(b"a" * (1 << 20))
+        except OSError:
+            pass  # closed under us: the answer is already there
+        closed, got = closed_by_server([s], 5)
+        assert closed == [s] and got[s].startswith(b"HTTP/1.1 431")
+        assert json.loads(got[s].partition(b"\r\n\r\n")[2])["error"]["type"] == "headers_too_large"
+    data = json.dumps({"tokens": [5] * 100_000}).encode()  # ~300 KB, in the packets of its headers
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer key-a\r\nConnection: close\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+        _, got = closed_by_server([s], 10)
+        assert got[s].startswith(b"HTTP/1.1 413")  # the prompt is too long; its size was no header
+    bystander()
+
+
 def test_slow_body_gets_408_and_its_connection_closed(server, bystander):
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer key-a\r\n"
