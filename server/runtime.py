@@ -396,8 +396,8 @@ class Runtime:
 
         A state that its history does not explain, or that holds NaN/Inf, is never written (it
         would read back as damaged): that is a bug, logged; the store keeps the last good record,
-        the slot is dropped so that the session continues from that record, and the caller gets
-        500 session_damaged."""
+        this copy is forgotten so that the session continues from that record, and the caller
+        gets 500 session_damaged."""
         if s.ephemeral:
             return
         eng = self.engines[s.model]
@@ -407,8 +407,10 @@ class Runtime:
         if pos != s.history_start + n or bad:
             why = f"{bad} holds NaN or Inf" if bad else f"its state is at position {pos}, its history covers {s.history_start + n}"
             log.error("session %s: refusing to write an inconsistent record (%s)", s.id, why)
-            slot, s.slot = s.slot, None
-            await eng.call(lambda: eng.release(slot))
+            if s.dirty:
+                self.metrics.unpersisted.dec()
+            s.dirty = False
+            await self._drop(s)
             raise APIError(500, "session_damaged", f"session {s.id!r} could not be written: {why}. It continues from "
                            "its last stored state")
         blob = await asyncio.to_thread(state.to_bytes, eng.model.fingerprint)
