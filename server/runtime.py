@@ -6,8 +6,10 @@ Every operation that touches a state goes through the owning engine's thread (`E
 
 Durability: every request that changes a session writes it to the store before the session is
 released (its new history tokens, then its record: metadata + constant-size state blob; see
-`persist` and sessions.py), so a session that is not busy is always current in the store. That makes spilling free (drop the slot) and makes every
-acknowledged session survive a restart on the same store: unknown ids are looked up there.
+`persist` and sessions.py), so a session that is not busy is always current in the store. That
+makes spilling free (drop the slot) and makes every acknowledged session survive a restart on the
+same store: unknown ids are looked up there. A stored record that cannot be trusted is never
+loaded: the calls on it answer 500 naming what is wrong, and DELETE removes it.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from contextlib import asynccontextmanager
 
 import torch
 
-from model.lm import LM
 from model.generate import first_step_nonfinite
+from model.lm import LM
 from model.sampling import SamplingParams
 from model.state import (SnapshotError, SnapshotHistoryMismatch, SnapshotModelMismatch, SnapshotOutOfRange, State,
                          blob_fingerprint, check_history, load_session)
@@ -249,7 +251,7 @@ class Runtime:
         if s is None:
             s = Session(sid, meta["model"], None, meta["owner"], created_at=meta["created_at"],
                         last_used_at=meta["last_used_at"], state_bytes=state.row_nbytes())
-            s.adopt_history(start, tokens.tolist())
+            s.adopt_history(start, tokens.tolist(), "history" in meta)
             self.sessions[sid] = s
         return s
 
@@ -301,7 +303,7 @@ class Runtime:
         if got is None:
             self.sessions.pop(s.id, None)
             raise not_found("session", s.id)
-        s.adopt_history(got[2], got[3].tolist())
+        s.adopt_history(got[2], got[3].tolist(), "history" in got[0])
 
     async def _release(self, s: Session) -> None:
         s.busy = False
@@ -344,6 +346,8 @@ class Runtime:
                     log.info("session %s written to the store after an outage", s.id)
                 except StoreUnavailable:
                     break  # still down: try again later
+                except APIError:
+                    pass  # refused and logged by persist: the session continues from its stored record
                 finally:
                     s.busy = False
 
@@ -354,9 +358,9 @@ class Runtime:
         if got is None:
             self.sessions.pop(s.id, None)
             raise not_found("session", s.id)
-        _, state, start, tokens = got
+        meta, state, start, tokens = got
         eng = self.engines[s.model]
-        s.adopt_history(start, tokens.tolist())  # the record is the truth
+        s.adopt_history(start, tokens.tolist(), "history" in meta)  # the record is the truth
         if self.leases:
             s.version = await self.leases.version(s.id)
         s.slot = await self._alloc(eng, state)
@@ -403,7 +407,7 @@ class Runtime:
         eng = self.engines[s.model]
         state = await eng.call(lambda: eng.read(s.slot))
         n = len(s.tokens)
-        pos, bad = int(state.position[0]), state.nonfinite()
+        pos, bad = int(state.position[0]), await asyncio.to_thread(state.nonfinite)
         if pos != s.history_start + n or bad:
             why = f"{bad} holds NaN or Inf" if bad else f"its state is at position {pos}, its history covers {s.history_start + n}"
             log.error("session %s: refusing to write an inconsistent record (%s)", s.id, why)

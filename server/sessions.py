@@ -50,10 +50,11 @@ class Session:
     def position(self) -> int:
         return self.history_start + len(self.tokens)
 
-    def adopt_history(self, start: int, tokens: list[int]) -> None:
-        """Take the history read from the store (all of it stored already)."""
-        self.tokens, self.history_start, self.stored = tokens, start, len(tokens)
-        self.stored_sha = hashlib.sha256(encode_tokens(tokens))
+    def adopt_history(self, start: int, tokens: list[int], stored: bool = True) -> None:
+        """Take the history read from the store; stored=False when it came from a record that
+        carried it in its blob (written before hist/<id>): the next persist writes all of it."""
+        self.tokens, self.history_start, self.stored = tokens, start, len(tokens) if stored else 0
+        self.stored_sha = hashlib.sha256(encode_tokens(tokens) if stored else b"")
 
     def unstored(self, upto: int) -> bytes:
         return encode_tokens(self.tokens[self.stored:upto])

@@ -314,6 +314,24 @@ async def test_a_record_its_history_does_not_explain_is_never_written(app):
         assert (await c.get(f"/v1/sessions/{other['id']}")).json()["position"] == other["position"]
 
 
+@pytest.mark.asyncio
+async def test_records_written_before_the_history_split_still_load(app):
+    """Records whose blob carries the history (as every record did before hist/<id>) read back."""
+    async with app.router.lifespan_context(app), await _client(app) as c:
+        rt = app.state.runtime
+        s = (await c.post("/v1/sessions", json={"prompt": "Good morrow, cousin"})).json()
+        session = rt.sessions.pop(s["id"])
+        meta = {k: v for k, v in decode_record(rt.store.data[f"sess/{s['id']}"][0])[0].items() if k != "history"}
+        rt.store.data[f"sess/{s['id']}"] = (encode_record(meta, await rt.state_blob(session)), None)
+        del rt.store.data[f"hist/{s['id']}"]
+        assert (await c.get(f"/v1/sessions/{s['id']}/history")).json()["tokens"] == session.tokens
+        r = await c.post(f"/v1/sessions/{s['id']}/push", json={"tokens": [5]})
+        assert r.status_code == 200 and r.json()["position"] == s["position"] + 1
+        assert decode_record(rt.store.data[f"sess/{s['id']}"][0])[0]["history"]["length"] == s["position"] + 1
+        rt.sessions.pop(s["id"])  # now in the new layout: the whole history went to hist/<id>
+        assert (await c.get(f"/v1/sessions/{s['id']}/history")).json()["tokens"] == session.tokens + [5]
+
+
 class PoisonSecondChunk:
     """The model, except that its second prefill call returns a state full of NaN."""
 
