@@ -23,4 +23,5 @@ python benchmarks/soak.py --concurrency 256 --duration 60 --out $out/soak.json
 python benchmarks/soak.py --concurrency 256 --duration 60 --allocator jemalloc --out $out/soak_jemalloc.json
 python benchmarks/faults.py --concurrency 256 --duration 30 --signal term
 python benchmarks/faults.py --concurrency 256 --duration 30 --signal kill
+python benchmarks/history_append.py --out $out/history_append.json
 python benchmarks/fuzz_api.py --examples 100 --out $out/fuzz_api.json

@@ -35,6 +35,15 @@ def decode(model: LM, tokens: Tensor, state: State) -> tuple[Tensor, State]:
     return model.step(tokens, state)
 
 
+@torch.inference_mode()
+def first_step_nonfinite(model: LM, state: State) -> str | None:
+    """What turns NaN or Inf when a copy of `state` (batch 1) takes one greedy step, else None.
+    A restored state is probed so: values that pass a magnitude check can still overflow once
+    the next step multiplies them together."""
+    logits, new = model(state.next_logits.argmax(-1).view(1, 1), state.clone())
+    return "the next logits" if not bool(torch.isfinite(logits).all()) else new.nonfinite()
+
+
 @dataclass
 class Event:
     token: int

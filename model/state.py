@@ -6,11 +6,16 @@ Per layer, a dict of tensors batched on dim 0 (one row per session):
   softmax  k, v (B, H, C, K) KV cache, conv (B, W-1, 3D)     grows with position
 plus position (B,) int64 and next_logits (B, V): the model's prediction after the last consumed
 token, which the next generated token is sampled from. Snapshot = `to_bytes` (safetensors, never pickle); restore = `from_bytes`.
+
+A session blob (the server's snapshots, `GET /state`) carries the session's token history as the
+extras `history` (T,) int64 and `history_start` (1,) int64; `load_session` reads and checks both,
+and `check_history` is the one rule that a history must satisfy wherever it was read from.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from dataclasses import dataclass
 
@@ -22,6 +27,13 @@ from torch import Tensor
 FORMAT = "linstream-state"
 VERSION = 1
 MAX_HEADER = 1 << 20  # a state header is a few KiB; refuse absurd ones before parsing
+# Positions at or past this are refused: no real session gets near 2**40 tokens, and the cap keeps
+# every position sum (position + chunk, rope's angles) far from int64 overflow and exact in float64.
+MAX_POSITION = 2 ** 40
+# With `max_abs` (client blobs), state values beyond this magnitude are refused: the next step
+# scales and sums them over a head's dims, which from 1e15 stays far below float32's 3.4e38, while
+# a real state sits many orders of magnitude lower. Past steps are checked for finiteness instead.
+MAX_ABS = 1e15
 
 
 class SnapshotError(ValueError):
@@ -47,6 +59,16 @@ class SnapshotShapeMismatch(SnapshotError):
 
 class SnapshotNonFinite(SnapshotError):
     kind = "snapshot_non_finite"
+
+
+class SnapshotOutOfRange(SnapshotError):
+    """A position or values the server refuses to step from (see MAX_POSITION, MAX_ABS)."""
+    kind = "snapshot_out_of_range"
+
+
+class SnapshotHistoryMismatch(SnapshotError):
+    """A token history that does not explain the state's position (or holds foreign token ids)."""
+    kind = "snapshot_history_mismatch"
 
 
 @dataclass
@@ -122,6 +144,17 @@ class State:
         if other.next_logits.data_ptr() != self.next_logits[rows[0]].data_ptr():
             self.next_logits.index_copy_(0, idx, other.next_logits)
 
+    def nonfinite(self) -> str | None:
+        """The name of a tensor holding NaN or Inf (KV caches counted up to each row's position), else None."""
+        if not bool(torch.isfinite(self.next_logits).all()):
+            return "next_logits"
+        for i, layer in enumerate(self.layers):
+            for n, t in layer.items():
+                d, p = self.time_dims[i].get(n), int(self.position.max()) if self.batch else 0
+                if not bool(torch.isfinite(t if d is None else t.narrow(d, 0, min(p, t.shape[d]))).all()):
+                    return f"layers.{i}.{n}"
+        return None
+
     def clone(self) -> "State":
         return State([{n: t.clone() for n, t in layer.items()} for layer in self.layers],
                      self.position.clone(), self.time_dims, self.next_logits.clone())
@@ -155,7 +188,10 @@ class State:
         return cls.from_bytes_with_extra(blob, template, fingerprint)[0]
 
     @classmethod
-    def from_bytes_with_extra(cls, blob: bytes, template: "State", fingerprint: str) -> tuple["State", dict]:
+    def from_bytes_with_extra(cls, blob: bytes, template: "State", fingerprint: str,
+                              max_abs: float | None = None) -> tuple["State", dict]:
+        """As `from_bytes`, also returning the extras; with `max_abs`, values beyond it are refused
+        (a blob from a client: see MAX_ABS)."""
         meta = _read_header(blob)
         if meta.get("format") != FORMAT:
             raise SnapshotCorrupt("not a linstream state blob (format field missing or wrong)")
@@ -164,13 +200,16 @@ class State:
         if meta.get("fingerprint") != fingerprint:
             raise SnapshotModelMismatch(
                 f"snapshot was taken on model {meta.get('fingerprint')!r}, this model is {fingerprint!r}")
+        position = meta.get("position")
+        if not isinstance(position, str) or not re.fullmatch(r"[0-9]{1,20}", position):
+            raise SnapshotCorrupt(f"position {str(position)[:40]!r} is not a non-negative integer")
+        pos = int(position)
+        if pos >= MAX_POSITION:
+            raise SnapshotOutOfRange(f"position {pos} is beyond the largest a session may reach ({MAX_POSITION})")
         try:
-            pos = int(meta["position"])
             tensors = st_load(blob)
         except Exception as e:  # safetensors raises its own error types for bad offsets and sizes
             raise SnapshotCorrupt(f"unreadable state blob: {e}") from None
-        if pos < 0:
-            raise SnapshotCorrupt("negative position")
         if meta.get("sha256") != _digest(tensors, meta):
             raise SnapshotCorrupt("checksum mismatch: the blob was altered or damaged")
 
@@ -187,6 +226,9 @@ class State:
                 raise SnapshotShapeMismatch(f"{key}: shape {list(got.shape)}, expected {want}")
             if not torch.isfinite(got).all():
                 raise SnapshotNonFinite(f"{key} holds NaN or Inf values")
+            if max_abs is not None and got.numel() and float(got.abs().max()) > max_abs:
+                raise SnapshotOutOfRange(f"{key} holds values of magnitude {float(got.abs().max()):.3g}, beyond "
+                                         f"{max_abs:g}: stepping from them would overflow")
             return got
 
         layers = [{n: take(f"layers.{i}.{n}", t, template.time_dims[i].get(n)) for n, t in layer.items()}
@@ -196,6 +238,43 @@ class State:
         if tensors:
             raise SnapshotShapeMismatch(f"unexpected tensors: {sorted(tensors)[:5]}")
         return cls(layers, torch.tensor([pos], dtype=torch.long), template.time_dims, logits), extra
+
+
+def load_session(blob: bytes, template: State, fingerprint: str, vocab_size: int,
+                 max_abs: float | None = MAX_ABS) -> tuple[State, int, Tensor]:
+    """A session blob: (state, history_start, history (T,) int64), every part checked. A blob
+    without history (a bare `to_bytes`) gets an empty one that starts at its position."""
+    state, extra = State.from_bytes_with_extra(blob, template, fingerprint, max_abs)
+    pos = int(state.position[0])
+    tokens, start = extra.pop("history", None), extra.pop("history_start", None)
+    if extra:
+        raise SnapshotShapeMismatch(f"unexpected tensors: {sorted('extra.' + k for k in extra)[:5]}")
+    if tokens is None and start is None:
+        return state, pos, torch.zeros(0, dtype=torch.long)
+    if tokens is None or start is None or start.dtype != torch.long or list(start.shape) != [1]:
+        raise SnapshotHistoryMismatch("a history needs both extra.history and extra.history_start (one int64)")
+    check_history(pos, int(start[0]), tokens, vocab_size)
+    return state, int(start[0]), tokens
+
+
+def check_history(position: int, start: int, tokens: Tensor, vocab_size: int) -> None:
+    """A history explains a state at `position`: its tokens (T,) int64 lie in the vocabulary and
+    cover exactly [start, position)."""
+    if tokens.dtype != torch.long or tokens.dim() != 1:
+        raise SnapshotHistoryMismatch(f"history must be (T,) int64, got {tokens.dtype} {list(tokens.shape)}")
+    if start < 0 or start + len(tokens) != position:
+        raise SnapshotHistoryMismatch(f"history covers positions [{start}, {start + len(tokens)}) "
+                                      f"but the state is at position {position}")
+    if len(tokens) and not bool(((tokens >= 0) & (tokens < vocab_size)).all()):
+        raise SnapshotHistoryMismatch(f"history holds token ids outside [0, {vocab_size})")
+
+
+def blob_fingerprint(blob: bytes) -> str:
+    """The fingerprint of the model a blob was taken on, read from its header alone."""
+    fp = _read_header(blob).get("fingerprint")
+    if not isinstance(fp, str):
+        raise SnapshotCorrupt("not a linstream state blob (no model fingerprint)")
+    return fp
 
 
 def _digest(tensors: dict[str, Tensor], meta: dict[str, str]) -> str:

@@ -68,6 +68,10 @@ class Job:
                 "per_token_ms": round(1000 * (self.t_last - self.t_first) / (n - 1), 3) if n > 1 else None}
 
 
+class NonFiniteState(ArithmeticError):
+    """A prefill whose new state held NaN or Inf: refused, the row left as it was."""
+
+
 @dataclass
 class Prefill:
     slot: int
@@ -77,6 +81,7 @@ class Prefill:
     logprobs: int | None = None
     done: int = 0
     results: list = field(default_factory=list)  # (logprob, top) per token when asked
+    saved: State | None = None  # the row before the first of several chunks (rolled back to on failure)
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -202,14 +207,22 @@ class Engine:
         try:
             chunk = job.tokens[job.done:job.done + self.prefill_chunk]
             st = self.pool.select([job.slot])
+            if job.done == 0 and len(job.tokens) > len(chunk):  # several chunks: keep the row to roll back to
+                job.saved = self.pool.copy_rows([job.slot], with_growing=False)
             prev = st.next_logits.clone() if job.logprobs is not None else None
             logits, new = self.model(torch.tensor([chunk], dtype=torch.long), st)
+            bad = new.nonfinite()  # the chunked forms build a new state: the row is untouched until assigned
+            if bad:
+                raise NonFiniteState(f"prefilling these tokens makes the session's state non-finite ({bad} holds "
+                                     "NaN or Inf); nothing was applied")
             self.pool.assign([job.slot], new)
             if job.logprobs is not None:
                 all_logits = torch.cat([prev[:, None], logits[:, :-1]], 1)[0]  # predicts each chunk token
                 job.results += _logprob_entries(all_logits, chunk, job.logprobs, self.tok)
             job.done += len(chunk)
         except Exception as e:
+            if job.saved is not None:
+                self.pool.assign([job.slot], job.saved)  # earlier chunks undone: all of the push or none
             self.prefills.popleft()
             job.loop.call_soon_threadsafe(_settle, job.future, None, e)
             return

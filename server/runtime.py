@@ -4,36 +4,39 @@ the logic.
 Every operation that touches a state goes through the owning engine's thread (`Engine.call`,
 `Engine.prefill`, `Engine.submit`), so no two writers ever meet on one slot.
 
-Durability: every request that changes a session writes the session's record (metadata + state
-blob with its history) to the store before the session is released, so a session that is not
-busy is always current in the store. That makes spilling free (drop the slot) and makes every
-acknowledged session survive a restart on the same store: unknown ids are looked up there.
+Durability: every request that changes a session writes it to the store before the session is
+released (its new history tokens, then its record: metadata + constant-size state blob; see
+`persist` and sessions.py), so a session that is not busy is always current in the store. That
+makes spilling free (drop the slot) and makes every acknowledged session survive a restart on the
+same store: unknown ids are looked up there. A stored record that cannot be trusted is never
+loaded: the calls on it answer 500 naming what is wrong, and DELETE removes it.
 """
 from __future__ import annotations
 
 import asyncio
-import json
+import hashlib
 import logging
-import struct
 import time
 from collections import Counter
 from contextlib import asynccontextmanager
 
 import torch
 
+from model.generate import first_step_nonfinite
 from model.lm import LM
 from model.sampling import SamplingParams
-from model.state import SnapshotCorrupt, SnapshotModelMismatch, State
+from model.state import (SnapshotError, SnapshotHistoryMismatch, SnapshotModelMismatch, SnapshotOutOfRange, State,
+                         blob_fingerprint, check_history, load_session)
 from model.tokenizer import Tokenizer
 
 from .auth import Keys, load_keys
-from .engine import Engine, Job
+from .engine import Engine, Job, NonFiniteState
 from .errors import APIError, not_found
 from .heap import Heap
 from .leases import Leases
 from .limits import TokenBuckets
 from .metrics import Metrics
-from .sessions import Session, Snapshot, decode_record, encode_record, new_id
+from .sessions import Session, SessionDamaged, Snapshot, decode_record, decode_tokens, encode_record, new_id
 from .settings import Settings
 from .store import StoreError, StoreUnavailable, open_store
 
@@ -184,48 +187,74 @@ class Runtime:
         Someone else's session is reported exactly like a missing one."""
         s = self.sessions.get(sid)
         if s is None:
-            s = await self._load(sid)
+            try:
+                s = await self._load(sid)
+            except SessionDamaged as e:
+                if e.owner is not None and e.owner != owner:
+                    raise not_found("session", sid) from None
+                raise
         if s is None or s.owner != owner:
             raise not_found("session", sid)
         if self.leases and not s.busy:
             await self._refresh_if_stale(s)
         return s
 
-    async def _read(self, sid: str) -> tuple[dict, State, dict] | None:
-        """A session's record from the store: (metadata, state, extras), None if there is none.
-        A damaged record is a clear 500 store_damaged, never a state loaded from it."""
+    async def _read(self, sid: str) -> tuple[dict, State, int, torch.Tensor] | None:
+        """A session from the store: (metadata, state, history_start, history (T,) int64), None
+        if there is none. A record that cannot be trusted (damaged bytes, a history that does not
+        explain its state) raises SessionDamaged naming what is wrong, never loads."""
         try:
             rec = await self.store.get(f"sess/{sid}")
         except ValueError:  # not a well-formed id: cannot exist
             return None
         except StoreError as e:
-            raise APIError(500, "store_damaged", f"the stored record of session {sid!r} is damaged: {e}") from None
+            raise SessionDamaged(sid, "store_damaged", str(e), _owner_of(e.payload)) from None
         if rec is None:
             return None
         try:
             meta, blob = decode_record(rec)
-            eng = self.engines.get(meta["model"])
-            if eng is None:
-                raise APIError(409, "model_not_served", f"session {sid!r} belongs to model {meta['model']!r}, not served here")
-            state, extra = State.from_bytes_with_extra(blob, eng.empty, eng.model.fingerprint)
-            if int(extra["history_start"][0]) + len(extra["history"]) != int(state.position[0]):
-                raise ValueError("its history does not cover its state's position")
-        except APIError:
-            raise
         except Exception as e:
-            raise APIError(500, "store_damaged", f"the stored record of session {sid!r} is damaged: {e}") from None
-        return meta, state, extra
+            raise SessionDamaged(sid, "store_damaged", f"unreadable record ({e})") from None
+        eng = self.engines.get(meta.get("model"))
+        if eng is None:
+            raise APIError(409, "model_not_served", f"session {sid!r} belongs to model {meta.get('model')!r}, not served here")
+        try:
+            V = eng.model.cfg.vocab_size
+            state, start, tokens = await asyncio.to_thread(load_session, blob, eng.empty, eng.model.fingerprint, V, None)
+            if "history" in meta:  # kept under its own key (records written before carry it in the blob)
+                start, tokens = await self._read_history(sid, meta["history"])
+                check_history(int(state.position[0]), start, tokens, V)
+        except SnapshotHistoryMismatch as e:
+            raise SessionDamaged(sid, "session_damaged", str(e), meta.get("owner")) from None
+        except (SnapshotError, StoreError) as e:
+            raise SessionDamaged(sid, "store_damaged", str(e), meta.get("owner")) from None
+        return meta, state, start, tokens
+
+    async def _read_history(self, sid: str, h: dict) -> tuple[int, torch.Tensor]:
+        """The part of hist/<id> a record counts: its first `length` tokens, checked against the
+        record's sha256 (bytes past them are from a write whose record never followed)."""
+        try:
+            start, n, digest = int(h["start"]), int(h["length"]), str(h["sha256"])
+        except (KeyError, TypeError, ValueError):
+            raise SnapshotHistoryMismatch(f"the record's history field is malformed: {str(h)[:80]}") from None
+        raw = await self.store.get(f"hist/{sid}") or b""
+        if len(raw) < 4 * n:
+            raise SnapshotHistoryMismatch(f"the record counts {n} history tokens, the store holds {len(raw) // 4}")
+        data = raw[:4 * n]
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise SnapshotHistoryMismatch("the stored history does not match the record's checksum")
+        return start, decode_tokens(data)
 
     async def _load(self, sid: str) -> Session | None:
         got = await self._read(sid)
         if got is None:
             return None
-        meta, state, extra = got
+        meta, state, start, tokens = got
         s = self.sessions.get(sid)  # another request may have loaded it meanwhile
         if s is None:
-            s = Session(sid, meta["model"], None, meta["owner"], extra["history"].tolist(),
-                        int(extra["history_start"][0]), meta["created_at"], meta["last_used_at"],
-                        state_bytes=state.row_nbytes())
+            s = Session(sid, meta["model"], None, meta["owner"], created_at=meta["created_at"],
+                        last_used_at=meta["last_used_at"], state_bytes=state.row_nbytes())
+            s.adopt_history(start, tokens.tolist(), "history" in meta)
             self.sessions[sid] = s
         return s
 
@@ -277,8 +306,7 @@ class Runtime:
         if got is None:
             self.sessions.pop(s.id, None)
             raise not_found("session", s.id)
-        extra = got[2]
-        s.tokens, s.history_start = extra["history"].tolist(), int(extra["history_start"][0])
+        s.adopt_history(got[2], got[3].tolist(), "history" in got[0])
 
     async def _release(self, s: Session) -> None:
         s.busy = False
@@ -321,6 +349,8 @@ class Runtime:
                     log.info("session %s written to the store after an outage", s.id)
                 except StoreUnavailable:
                     break  # still down: try again later
+                except APIError:
+                    pass  # refused and logged by persist: the session continues from its stored record
                 finally:
                     s.busy = False
 
@@ -331,9 +361,9 @@ class Runtime:
         if got is None:
             self.sessions.pop(s.id, None)
             raise not_found("session", s.id)
-        _, state, extra = got
+        meta, state, start, tokens = got
         eng = self.engines[s.model]
-        s.tokens, s.history_start = extra["history"].tolist(), int(extra["history_start"][0])  # the record is the truth
+        s.adopt_history(start, tokens.tolist(), "history" in meta)  # the record is the truth
         if self.leases:
             s.version = await self.leases.version(s.id)
         s.slot = await self._alloc(eng, state)
@@ -363,16 +393,43 @@ class Runtime:
             return await eng.call(swap)
 
     async def persist(self, s: Session) -> None:
-        """Write the session's record to the store (state, history, metadata). If the store
-        cannot be reached the session is marked dirty: it keeps its slot, and `_flush_dirty`
-        writes it when the store is back; StoreUnavailable goes on to the caller."""
+        """Write the session to the store, in O(new tokens): first the history tokens the store
+        lacks (offset writes into hist/<id>), then the record (metadata, the constant-size state
+        blob, and the length and sha256 of the history it covers). A crash between the two leaves
+        a history longer than the record counts; reads ignore the excess and the next write
+        overwrites it. If the store cannot be reached the session is marked dirty: it keeps its
+        slot, and `_flush_dirty` writes it when the store is back; StoreUnavailable goes on to
+        the caller.
+
+        A state that its history does not explain, or that holds NaN/Inf, is never written (it
+        would read back as damaged): that is a bug, logged; the store keeps the last good record,
+        this copy is forgotten so that the session continues from that record, and the caller
+        gets 500 session_damaged."""
         if s.ephemeral:
             return
-        blob = await self.state_blob(s)
-        s.state_bytes = self.engines[s.model].row_nbytes(s.slot)
+        eng = self.engines[s.model]
+        state = await eng.call(lambda: eng.read(s.slot))
+        n = len(s.tokens)
+        pos, bad = int(state.position[0]), await asyncio.to_thread(state.nonfinite)
+        if pos != s.history_start + n or bad:
+            why = f"{bad} holds NaN or Inf" if bad else f"its state is at position {pos}, its history covers {s.history_start + n}"
+            log.error("session %s: refusing to write an inconsistent record (%s)", s.id, why)
+            if s.dirty:
+                self.metrics.unpersisted.dec()
+            s.dirty = False
+            await self._drop(s)
+            raise APIError(500, "session_damaged", f"session {s.id!r} could not be written: {why}. It continues from "
+                           "its last stored state")
+        blob = await asyncio.to_thread(state.to_bytes, eng.model.fingerprint)
+        s.state_bytes = state.row_nbytes()
         ttl = self.settings.session_ttl or None
         try:
-            await self.store.put(f"sess/{s.id}", encode_record(s.meta(), blob), ttl)
+            if n > s.stored or ttl:  # with a TTL, an empty write still renews the history's expiry
+                data = s.unstored(n)
+                # the history outlives its record by a minute, so a read never finds a record without it
+                await self.store.write_at(f"hist/{s.id}", 4 * s.stored, data, ttl and ttl + 60)
+                s.mark_stored(n, data)
+            await self.store.put(f"sess/{s.id}", encode_record({**s.meta(), "history": s.history_meta()}, blob), ttl)
             if self.leases:
                 s.version = await self.leases.bump(s.id)
         except StoreUnavailable:
@@ -422,7 +479,10 @@ class Runtime:
         persist it."""
         eng = self.engines[s.model]
         t0 = time.perf_counter()
-        job = await eng.prefill(s.slot, ids, logprobs) if ids else None
+        try:
+            job = await eng.prefill(s.slot, ids, logprobs) if ids else None
+        except NonFiniteState as e:  # the session's state (a restored one) cannot take these tokens
+            raise APIError(422, "non_finite_state", str(e)) from None
         s.tokens.extend(ids)
         self.metrics.prompt_tokens.labels(s.model).inc(len(ids))
         ms = 1000 * (time.perf_counter() - t0)
@@ -479,6 +539,7 @@ class Runtime:
                            headers={"Retry-After": str(max(1, round(wait)))})
 
     async def state_blob(self, s: Session) -> bytes:
+        """The state with its whole history (a download, a snapshot): O(history), by nature."""
         eng = self.engines[s.model]
         state = await eng.call(lambda: eng.read(s.slot))
         extra = {"history": torch.tensor(s.tokens, dtype=torch.long),
@@ -505,17 +566,14 @@ class Runtime:
 
     async def restore(self, blob: bytes, model: str | None = None, owner: str = "") -> Session:
         eng = self.engine(model) if model else self._engine_for_blob(blob)
-        state, extra = await asyncio.to_thread(State.from_bytes_with_extra, blob, eng.empty, eng.model.fingerprint)
-        pos = int(state.position[0])
-        tokens, start = extra.get("history"), extra.get("history_start")
-        if tokens is None or start is None:
-            tokens, start = torch.zeros(0, dtype=torch.long), torch.tensor([pos])
-        if (tokens.dim() != 1 or tokens.dtype != torch.long or start.numel() != 1
-                or int(start[0]) + len(tokens) != pos or int(start[0]) < 0
-                or (len(tokens) and not bool(((tokens >= 0) & (tokens < eng.model.cfg.vocab_size)).all()))):
-            raise SnapshotCorrupt("the blob's history does not match its position or vocabulary")
+        state, start, tokens = await asyncio.to_thread(load_session, blob, eng.empty, eng.model.fingerprint,
+                                                       eng.model.cfg.vocab_size)
+        bad = await eng.call(lambda: first_step_nonfinite(eng.model, state))
+        if bad:  # it would poison the session at its first step: refused before it is one
+            raise SnapshotOutOfRange(f"one step from this state already turns {bad} to NaN or Inf: its values are "
+                                     "too large to continue from")
         await self.store.ping()
-        s = await self._new(eng, owner, state, tokens.tolist(), int(start[0]))
+        s = await self._new(eng, owner, state, tokens.tolist(), start)
         try:
             await self.persist_new(s, lambda: self.persist(s))
         finally:
@@ -524,11 +582,7 @@ class Runtime:
 
     def _engine_for_blob(self, blob: bytes) -> Engine:
         """The served model whose fingerprint the blob names (restoring needs no model field)."""
-        try:
-            (n,) = struct.unpack("<Q", blob[:8])
-            fp = json.loads(blob[8:8 + n])["__metadata__"]["fingerprint"] if n < 1 << 20 else None
-        except Exception:
-            raise SnapshotCorrupt("not a readable state blob") from None
+        fp = blob_fingerprint(blob)
         for eng in self.engines.values():
             if eng.model.fingerprint == fp:
                 return eng
@@ -544,9 +598,31 @@ class Runtime:
             child.busy = False
         return child
 
+    async def remove(self, sid: str, owner: str) -> None:
+        """DELETE: works on a session whose stored record is damaged too (its owner checked from
+        the record's metadata where that is readable; where not, the unguessable id is all the
+        proof there is, and the record can serve no one)."""
+        try:
+            s = await self.find(sid, owner)
+        except SessionDamaged as e:
+            if e.owner is not None and e.owner != owner:
+                raise not_found("session", sid) from None
+            await self._forget_stored(sid)
+            log.warning("session %s: damaged record deleted (%s)", sid, e.message)
+            return
+        if s.busy:
+            raise APIError(409, "session_busy", f"session {sid!r} is serving another request; retry when it ends")
+        await self.delete(s)
+
+    async def _forget_stored(self, sid: str) -> None:
+        """Delete a session's store values: the record first, so a failure between the two leaves
+        a stray history and never a record without its history."""
+        await self.store.delete(f"sess/{sid}")
+        await self.store.delete(f"hist/{sid}")
+
     async def delete(self, s: Session) -> None:
         if not s.ephemeral:  # the store first: a failure leaves the session whole
-            await self.store.delete(f"sess/{s.id}")
+            await self._forget_stored(s.id)
         if s.dirty:
             self.metrics.unpersisted.dec()
         s.dirty = False
@@ -568,8 +644,17 @@ class Runtime:
             now = time.time()
             for s in [s for s in list(self.sessions.values()) if not s.busy and not s.dirty and now - s.last_used_at > ttl]:
                 try:
-                    await self.store.delete(f"sess/{s.id}")
+                    await self._forget_stored(s.id)
                 except StoreUnavailable:
                     break  # store down: expire on a later sweep
                 await self._drop(s)
                 self.metrics.expired.labels(s.model).inc()
+
+
+def _owner_of(payload: bytes | None) -> str | None:
+    """The owner named by a damaged record, if its metadata can still be read."""
+    try:
+        owner = decode_record(payload)[0].get("owner")
+        return owner if isinstance(owner, str) else None
+    except Exception:
+        return None

@@ -1,14 +1,27 @@
-"""Sessions and snapshots: bookkeeping only. Tensors stay in the engine's slot pool; a session's
-durable form is a store record (JSON metadata + the state blob, which carries the history)."""
+"""Sessions and snapshots: bookkeeping only. Tensors stay in the engine's slot pool.
+
+A session's durable form is two store values: its record `sess/<id>` (JSON metadata, the
+constant-size state blob, and the start, length and sha256 of the history the state covers) and
+its history `hist/<id>` (the tokens as little-endian int32, token i at byte 4*i, written by
+offset so that a request adds only its new tokens). A snapshot is one record whose blob carries
+the history itself (extras `history`, `history_start`), as a downloaded state blob does.
+"""
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import struct
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+import torch
+
+from .errors import APIError
+
 MAGIC = b"LSREC1"
+TOKEN = np.dtype("<i4")  # one history token in the store
 
 
 def new_id(prefix: str) -> str:
@@ -30,10 +43,30 @@ class Session:
     ephemeral: bool = False  # OpenAI requests' throwaway sessions are never persisted
     version: int = 0  # store version the resident copy matches (replicas on Redis)
     dirty: bool = False  # its last persist failed (store unreachable): newer in memory than in the store
+    stored: int = 0  # tokens[:stored] are in the store's history (hist/<id>)
+    stored_sha: "hashlib._Hash" = field(default_factory=hashlib.sha256, repr=False)  # over those tokens' bytes
 
     @property
     def position(self) -> int:
         return self.history_start + len(self.tokens)
+
+    def adopt_history(self, start: int, tokens: list[int], stored: bool = True) -> None:
+        """Take the history read from the store; stored=False when it came from a record that
+        carried it in its blob (written before hist/<id>): the next persist writes all of it."""
+        self.tokens, self.history_start, self.stored = tokens, start, len(tokens) if stored else 0
+        self.stored_sha = hashlib.sha256(encode_tokens(tokens) if stored else b"")
+
+    def unstored(self, upto: int) -> bytes:
+        return encode_tokens(self.tokens[self.stored:upto])
+
+    def mark_stored(self, upto: int, data: bytes) -> None:
+        """`data` (= unstored(upto)) has reached the store."""
+        self.stored_sha.update(data)
+        self.stored = upto
+
+    def history_meta(self) -> dict:
+        """What the record says of the history it covers: the stored prefix."""
+        return {"start": self.history_start, "length": self.stored, "sha256": self.stored_sha.hexdigest()}
 
     def meta(self) -> dict:
         return {"kind": "session", "id": self.id, "model": self.model, "owner": self.owner,
@@ -52,6 +85,24 @@ class Snapshot:
         return {"kind": "snapshot", **asdict(self)}
 
 
+class SessionDamaged(APIError):
+    """A stored session that cannot be served (500: the fault is the server's or its store's, and
+    retrying will not help). It can still be deleted; `owner` is the record's, when readable."""
+
+    def __init__(self, sid: str, type: str, reason: str, owner: str | None = None):
+        super().__init__(500, type, f"the stored record of session {sid!r} is damaged: {reason}. "
+                         f"Delete it (DELETE /v1/sessions/{sid}) and restore it from a snapshot")
+        self.owner = owner
+
+
+def encode_tokens(tokens: list[int]) -> bytes:
+    return np.asarray(tokens, dtype=TOKEN).tobytes()
+
+
+def decode_tokens(data: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(data, dtype=TOKEN).astype(np.int64))  # (T,) int64
+
+
 def encode_record(meta: dict, blob: bytes) -> bytes:
     head = json.dumps(meta, sort_keys=True).encode()
     return MAGIC + struct.pack("<I", len(head)) + head + blob
@@ -62,4 +113,7 @@ def decode_record(rec: bytes) -> tuple[dict, bytes]:
         raise ValueError("not a linstream store record")
     (n,) = struct.unpack("<I", rec[len(MAGIC):len(MAGIC) + 4])
     start = len(MAGIC) + 4
-    return json.loads(rec[start:start + n]), rec[start + n:]
+    meta = json.loads(rec[start:start + n])
+    if not isinstance(meta, dict):
+        raise ValueError("a record's metadata must be a JSON object")
+    return meta, rec[start + n:]

@@ -6,6 +6,13 @@ One small async interface, three implementations chosen by `--store`:
                    sha256 checked on every read, keys confined to PATH (never a path unchecked)
   redis://...      redis-py's asyncio client; TTLs are Redis expiries
 Values are opaque bytes (state blobs are safetensors); expiry is per key.
+
+Two kinds of write: `put` replaces a whole value atomically (records, snapshots); `write_at`
+writes bytes at an offset of a growing value (a session's token history), so that a request
+stores only what it adds. An offset write is idempotent (writing the same bytes again changes
+nothing) and durable when it returns (disk: pwrite + fsync). It carries no checksum of its own:
+the record that refers to it holds the length and sha256 of the part that counts, and bytes past
+that length (a write whose record never followed) are ignored.
 """
 from __future__ import annotations
 
@@ -21,7 +28,12 @@ KEY = re.compile(r"^[A-Za-z0-9_\-]{1,64}/[A-Za-z0-9_\-]{1,128}$")  # "<kind>/<id
 
 
 class StoreError(Exception):
-    """A stored value that cannot be trusted (damaged, truncated)."""
+    """A stored value that cannot be trusted (damaged, truncated). `payload`: its bytes as found,
+    when there are any (only to name what they claim, e.g. a record's owner)."""
+
+    def __init__(self, message: str, payload: bytes | None = None):
+        super().__init__(message)
+        self.payload = payload
 
 
 class StoreUnavailable(Exception):
@@ -29,13 +41,14 @@ class StoreUnavailable(Exception):
 
 
 def check_key(key: str) -> str:
-    if not KEY.match(key):
+    if not KEY.fullmatch(key):  # fullmatch: `$` alone would let "id\n" through as a file name
         raise ValueError(f"invalid store key {key!r}")
     return key
 
 
 class Store(Protocol):
     async def put(self, key: str, value: bytes, ttl: float | None = None) -> None: ...
+    async def write_at(self, key: str, offset: int, data: bytes, ttl: float | None = None) -> None: ...
     async def get(self, key: str) -> bytes | None: ...
     async def delete(self, key: str) -> None: ...
     async def list(self, kind: str) -> list[str]: ...
@@ -58,9 +71,16 @@ class MemoryStore:
     async def put(self, key, value, ttl=None):
         self.data[check_key(key)] = (bytes(value), None if ttl is None else time.time() + ttl)
 
+    async def write_at(self, key, offset, data, ttl=None):
+        v = self._live(check_key(key))
+        buf = v[0] if v is not None and isinstance(v[0], bytearray) else bytearray(v[0] if v else b"")  # grown in place
+        buf[len(buf):] = bytes(max(0, offset - len(buf)))
+        buf[offset:offset + len(data)] = data
+        self.data[key] = (buf, None if ttl is None else time.time() + ttl)
+
     async def get(self, key):
         v = self._live(check_key(key))
-        return None if v is None else v[0]
+        return None if v is None else bytes(v[0])
 
     async def delete(self, key):
         self.data.pop(check_key(key), None)
@@ -83,13 +103,17 @@ class MemoryStore:
 
 
 MAGIC = b"LSTORE1\n"
+GROWING = b"LSGROW1\n"  # a value written by offset (write_at): GROWING, 20 chars of expiry, payload
+GROWING_HEAD = len(GROWING) + 20
 
 
 class DiskStore:
-    """File layout: MAGIC, 64 hex chars of sha256(payload), 20 chars of expiry (0 = never), payload.
+    """File layout: MAGIC, 64 hex chars of sha256(payload), 20 chars of expiry (0 = never), payload;
+    or, for values written by offset, GROWING, 20 chars of expiry, payload (see the module doc).
 
-    A write that fails (disk full, read-only file system, I/O error) leaves no partial file and
-    raises StoreUnavailable, as a Redis outage does: the session is kept in memory and written
+    A `put` that fails (disk full, read-only file system, I/O error) leaves no partial file (an
+    offset write may leave bytes past the counted length, which readers ignore), and raises
+    StoreUnavailable, as a Redis outage does: the session is kept in memory and written
     when space comes back. `ping` refuses changes while less than `min_free` bytes are free.
     """
 
@@ -118,26 +142,49 @@ class DiskStore:
             tmp.unlink(missing_ok=True)
             raise StoreUnavailable(f"disk store: {e.strerror or e}") from None
 
-    def _read(self, path: Path) -> tuple[bytes, float] | None:
+    def _read(self, path: Path) -> tuple[bytes, float, bool] | None:
+        """(payload, expiry, written by offset), None when absent or expired."""
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as e:
             raise StoreUnavailable(f"disk store: {e.strerror or e}") from None
+        if raw.startswith(GROWING) and len(raw) >= GROWING_HEAD:
+            expiry, value = float(raw[len(GROWING):GROWING_HEAD]), raw[GROWING_HEAD:]
+            if expiry and expiry <= time.time():
+                path.unlink(missing_ok=True)
+                return None
+            return value, expiry, True
         head = len(MAGIC) + 64 + 20
         if len(raw) < head or not raw.startswith(MAGIC):
             raise StoreError(f"{path.name}: not a store file or truncated")
         digest, expiry, value = raw[len(MAGIC):len(MAGIC) + 64], float(raw[len(MAGIC) + 64:head]), raw[head:]
         if hashlib.sha256(value).hexdigest().encode() != digest:
-            raise StoreError(f"{path.name}: checksum mismatch, the file is damaged")
+            raise StoreError(f"{path.name}: checksum mismatch, the file is damaged", value)
         if expiry and expiry <= time.time():
             path.unlink(missing_ok=True)
             return None
-        return value, expiry
+        return value, expiry, False
+
+    def _write_at(self, path: Path, offset: int, data: bytes, expiry: float) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                os.pwrite(fd, GROWING + f"{expiry:020.3f}".encode(), 0)  # (re)stamps the expiry too
+                os.pwrite(fd, data, GROWING_HEAD + offset)
+                os.fsync(fd)  # durable before the record that counts these bytes is written
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise StoreUnavailable(f"disk store: {e.strerror or e}") from None
 
     async def put(self, key, value, ttl=None):
         await asyncio.to_thread(self._write, self._path(key), bytes(value), 0.0 if ttl is None else time.time() + ttl)
+
+    async def write_at(self, key, offset, data, ttl=None):
+        await asyncio.to_thread(self._write_at, self._path(key), offset, bytes(data), 0.0 if ttl is None else time.time() + ttl)
 
     async def get(self, key):
         got = await asyncio.to_thread(self._read, self._path(key))
@@ -151,7 +198,7 @@ class DiskStore:
 
     async def list(self, kind):
         d = self.root / kind
-        if not KEY.match(f"{kind}/x") or not d.is_dir():
+        if not KEY.fullmatch(f"{kind}/x") or not d.is_dir():
             return []
         return sorted(p.name for p in d.iterdir() if not p.name.startswith("."))
 
@@ -160,7 +207,11 @@ class DiskStore:
         got = await asyncio.to_thread(self._read, path)
         if got is None:
             return False
-        await asyncio.to_thread(self._write, path, got[0], 0.0 if ttl is None else time.time() + ttl)
+        expiry = 0.0 if ttl is None else time.time() + ttl
+        if got[2]:
+            await asyncio.to_thread(self._write_at, path, 0, b"", expiry)  # stamps the new expiry in place
+        else:
+            await asyncio.to_thread(self._write, path, got[0], expiry)
         return True
 
     async def ping(self):
@@ -189,6 +240,19 @@ class RedisStore:
 
     async def put(self, key, value, ttl=None):
         await self._do(self.r.set(self.prefix + check_key(key), value, px=None if ttl is None else max(1, int(ttl * 1000))))
+
+    async def write_at(self, key, offset, data, ttl=None):
+        k = self.prefix + check_key(key)
+
+        async def write():  # one round trip; SETRANGE is idempotent, so a retry after a timeout is safe
+            async with self.r.pipeline(transaction=True) as p:
+                p.setrange(k, offset, bytes(data))
+                if ttl is None:
+                    p.persist(k)
+                else:
+                    p.pexpire(k, max(1, int(ttl * 1000)))
+                await p.execute()
+        await self._do(write())
 
     async def get(self, key):
         return await self._do(self.r.get(self.prefix + check_key(key)))

@@ -52,6 +52,29 @@ def test_store_contract(tmp_path):
     asyncio.run(run())
 
 
+def test_offset_writes_contract(tmp_path):
+    """write_at: bytes land at their offset, rewriting them changes nothing, a gap reads as zeros,
+    the TTL applies, and put/get/delete treat the value like any other."""
+    async def run():
+        for st in stores(tmp_path):
+            name = type(st).__name__
+            await st.write_at("hist/a", 0, b"abcd")
+            await st.write_at("hist/a", 4, b"efgh")
+            await st.write_at("hist/a", 4, b"efgh")  # idempotent: a retried write
+            assert await st.get("hist/a") == b"abcdefgh", name
+            await st.write_at("hist/a", 2, b"XY")  # a write past a record's count overwrites in place
+            await st.write_at("hist/a", 10, b"z")
+            assert await st.get("hist/a") == b"abXYefgh\0\0z", name
+            await st.write_at("hist/b", 0, b"1234", ttl=0.2)
+            assert await st.touch("hist/b", 0.2) and await st.get("hist/b") == b"1234", name
+            await asyncio.sleep(0.4)
+            assert await st.get("hist/b") is None, name
+            await st.delete("hist/a")
+            assert await st.get("hist/a") is None, name
+            await st.close()
+    asyncio.run(run())
+
+
 def test_disk_store_refuses_damaged_files(tmp_path):
     async def run():
         st = DiskStore(tmp_path / "s")
