@@ -473,6 +473,21 @@ class Runtime:
             s.dirty = False
             await self._drop(s)
             raise StoreUnavailable(f"{str(e).split(';')[0]}; no session was created") from None
+        except BaseException:  # refused or cancelled part-way: the client was given no id, so nothing stays
+            await asyncio.shield(self._abandon(s))
+            raise
+
+    async def _abandon(self, s: Session) -> None:
+        """Undo a session whose creation failed: its record (if one was written) and its slot."""
+        if s.dirty:
+            self.metrics.unpersisted.dec()
+        s.dirty = False
+        if not s.ephemeral:
+            try:
+                await self._forget_stored(s.id)
+            except (StoreError, StoreUnavailable):  # its id was never given out; the TTL or an operator removes it
+                log.warning("session %s: its record could not be removed after a failed creation", s.id)
+        await self._drop(s)
 
     async def push(self, s: Session, ids: list[int], logprobs: int | None = None):
         """Advance the session over ids (chunked prefill, interleaved with others' decode), then

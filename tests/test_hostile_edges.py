@@ -152,6 +152,29 @@ async def test_temporary_session_ends_on_an_exception_and_on_cancellation(ckpt, 
         assert rt.sessions == {}
 
 
+@pytest.mark.asyncio
+async def test_session_create_that_fails_part_way_leaves_nothing(ckpt, monkeypatch, tmp_path):
+    """POST /v1/sessions whose prompt push fails (or is cancelled) after the session was made:
+    no session in memory, no record in the store, no slot held."""
+    app = create_app(Settings(models=[str(ckpt)], store=f"disk:{tmp_path}", max_sessions=2))
+    async with app.router.lifespan_context(app):
+        rt = app.state.runtime
+        push = rt.push
+
+        async def broken(s, ids, *a):
+            raise RuntimeError("injected")
+        monkeypatch.setattr(rt, "push", broken)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            for _ in range(3):  # more than the slots
+                r = await c.post("/v1/sessions", json={"prompt": "Hi"})
+                assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+            assert rt.sessions == {} and not [p for d in ("sess", "hist") for p in (tmp_path / d).glob("*")]
+            monkeypatch.setattr(rt, "push", push)
+            r = await c.post("/v1/sessions", json={"prompt": "Hi"})
+            assert r.status_code == 201 and list(rt.sessions) == [r.json()["id"]]
+
+
 def open_raw(port, n, first=b""):
     socks = []
     for _ in range(n):
