@@ -25,6 +25,15 @@ def body(type: str, message: str) -> dict:
     return {"error": {"type": type, "message": message}}
 
 
+def invalid(errors: list[dict]) -> tuple[dict, int]:
+    """A body that failed validation: 422 naming each field, or 400 for text that is not valid
+    Unicode (schemas.Body), which no field could ever take."""
+    msg = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in errors)
+    if any(err["type"] == "invalid_unicode" for err in errors):
+        return body("invalid_unicode", msg), 400
+    return body("invalid_request", msg), 422
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, e: APIError):
@@ -41,8 +50,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError):
-        msg = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
-        return JSONResponse(body("invalid_request", msg), 422)
+        return JSONResponse(*invalid(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
