@@ -30,8 +30,8 @@ Tokens = Annotated[list[int], Field(description="token ids of the model's vocabu
 
 
 def _has_surrogate(v: Any) -> bool:
-    if isinstance(v, str):
-        return _SURROGATE.search(v) is not None
+    if isinstance(v, str):  # an ASCII string (known without a scan) holds none
+        return not v.isascii() and _SURROGATE.search(v) is not None
     if isinstance(v, dict):
         return any(_has_surrogate(k) or _has_surrogate(x) for k, x in v.items())
     if isinstance(v, list):
