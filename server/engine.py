@@ -13,6 +13,11 @@ History = what the client got: the handler counts the events it has handed to th
 so the next step overlaps the send), but only one such token at a time, and it keeps a rollback
 point for it: if the stream is cut before that token left, the row is restored. The state then
 covers exactly the tokens the client was sent.
+
+A fault harms only the job that causes it: a step that raises is rolled back (every row of a
+step has a rollback copy) and retried in halves until the job that fails alone is found; a row
+whose logits are not finite, or a job the sampler fails on, ends alone. Such a job ends with
+finish "error" and `Job.error`, its state rolled back to tokens its client has been handed.
 """
 from __future__ import annotations
 
