@@ -8,6 +8,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model.state import SnapshotError
 
+from .schemas import NOT_UNICODE
 from .store import StoreUnavailable
 
 
@@ -27,11 +28,11 @@ def body(type: str, message: str) -> dict:
 
 def invalid(errors: list[dict]) -> tuple[dict, int]:
     """A body that failed validation: 422 naming each field, or 400 for text that is not valid
-    Unicode (schemas.Body), which no field could ever take."""
-    msg = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in errors)
-    if any(err["type"] == "invalid_unicode" for err in errors):
-        return body("invalid_unicode", msg), 400
-    return body("invalid_request", msg), 422
+    Unicode (schemas.Body, or pydantic's own check on constrained strings), which no field takes."""
+    text = [e for e in errors if e["type"] in ("invalid_unicode", "string_unicode")]
+    msg = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: "
+                    f"{NOT_UNICODE if e['type'] == 'string_unicode' else e['msg']}" for e in text or errors)
+    return (body("invalid_unicode", msg), 400) if text else (body("invalid_request", msg), 422)
 
 
 def install(app: FastAPI) -> None:

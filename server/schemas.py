@@ -22,6 +22,7 @@ MAX_TOP_K = 1 << 20  # above the vocabulary size it keeps every token
 MAX_LOGPROBS = 20
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+NOT_UNICODE = "text must be valid Unicode: it holds a lone surrogate"
 
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
@@ -29,27 +30,26 @@ Prompt = Annotated[str, Field(description="at most the server's max_prompt_bytes
 Tokens = Annotated[list[int], Field(description="token ids of the model's vocabulary; at most max_prompt_tokens")]
 
 
-def _has_surrogate(v: Any) -> bool:
-    if isinstance(v, str):  # an ASCII string (known without a scan) holds none
-        return not v.isascii() and _SURROGATE.search(v) is not None
-    if isinstance(v, dict):
-        return any(_has_surrogate(k) or _has_surrogate(x) for k, x in v.items())
+def _bad_text(v: Any) -> bool:
+    """A str, or a (validated, hence homogeneous) list of them, holding a lone surrogate."""
     if isinstance(v, list):
-        return any(_has_surrogate(x) for x in v)
-    return False
+        return bool(v) and isinstance(v[0], str) and any(_bad_text(x) for x in v)
+    # a pure-ASCII string (known without a scan) holds none
+    return isinstance(v, str) and not v.isascii() and _SURROGATE.search(v) is not None
 
 
 class Body(BaseModel):
     """A request body. JSON may spell a lone UTF-16 surrogate ("\\ud800"), which no UTF-8 text
-    holds and the tokenizer cannot take: any such string anywhere in the body is refused once,
-    here (the app turns this error into a 400), whatever fields are added later."""
+    holds and the tokenizer cannot take: such text in any field, of this body or of a body
+    nested in it, is refused here once (the app turns this error into a 400). Fields with
+    string constraints refuse it themselves, as pydantic's `string_unicode`."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _unicode(cls, data: Any) -> Any:
-        if _has_surrogate(data):
-            raise PydanticCustomError("invalid_unicode", "text must be valid Unicode: it holds a lone surrogate")
-        return data
+    @model_validator(mode="after")
+    def _unicode(self) -> "Body":
+        for name, v in self:
+            if _bad_text(v):
+                raise PydanticCustomError("invalid_unicode", f"{name}: {NOT_UNICODE}")
+        return self
 
 
 class CreateSession(Body):
