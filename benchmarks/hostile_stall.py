@@ -79,10 +79,14 @@ def main():
     ap.add_argument("--phase-s", type=float, default=4.0, help="seconds per phase")
     ap.add_argument("--model", default="linear")
     ap.add_argument("--max-prompt-tokens", type=int, default=65536)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="the server's prefill_chunk (default: its own)")
     ap.add_argument("--out", default="benchmarks/results/hostile_stall.json")
     a = ap.parse_args()
-    srv = LocalServer([a.model], {"LINSTREAM_STORE": "memory", "LINSTREAM_MAX_NEW_TOKENS": "1000000",
-                                  "LINSTREAM_MAX_PROMPT_TOKENS": str(a.max_prompt_tokens)})
+    env = {"LINSTREAM_STORE": "memory", "LINSTREAM_MAX_NEW_TOKENS": "1000000",
+           "LINSTREAM_MAX_PROMPT_TOKENS": str(a.max_prompt_tokens)}
+    if a.prefill_chunk:
+        env["LINSTREAM_PREFILL_CHUNK"] = str(a.prefill_chunk)
+    srv = LocalServer([a.model], env)
     max_prompt_bytes = 16 * a.max_prompt_tokens  # the server's default
     stop = mp.Event()
     try:
@@ -127,6 +131,7 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": "python benchmarks/hostile_stall.py " + " ".join(sys.argv[1:]),
                                "model": a.model, "phase_s": a.phase_s, "max_prompt_tokens": a.max_prompt_tokens,
+                               "prefill_chunk": a.prefill_chunk,
                                "max_prompt_bytes": max_prompt_bytes, "phases": rows}, indent=2) + "\n")
 
 

@@ -24,7 +24,7 @@ FAULTY = list(range(10, 50))  # longer than any other row ever gets: its positio
 AFTER = 3  # the fault strikes once the faulty job has this many tokens
 
 
-async def run(model, lookahead: bool, with_faulty: bool, inject=None):
+async def run(model, lookahead: bool, with_faulty: bool, inject=None, faulty_kw: dict | None = None):
     """Generate on every session at once; -> ([(tokens, finish, error, state)] per session, faulty last)."""
     eng = Engine("m", model, Tok(), slots=8, prefill_chunk=16, max_batch=8, lookahead=lookahead)
     if inject:
@@ -38,7 +38,9 @@ async def run(model, lookahead: bool, with_faulty: bool, inject=None):
             slot = await eng.call(eng.alloc)
             await eng.prefill(slot, prompt)
             temperature = 0.0 if seed is None else 0.9
-            jobs.append(Job(slot, SamplingParams(max_tokens=12, temperature=temperature, top_k=40, seed=seed), loop))
+            kw = faulty_kw if seed == 99 and faulty_kw else {}
+            jobs.append(Job(slot, SamplingParams(**{"max_tokens": 12, "temperature": temperature, "top_k": 40,
+                                                    "seed": seed, **kw}), loop))
         for j in jobs:
             eng.submit(j)
         got = await asyncio.gather(*(deliver(eng, j) for j in jobs))
@@ -136,6 +138,17 @@ def test_a_fault_harms_only_its_own_job(preset, lookahead, inject, faulty_fails)
         assert finish == "length" and len(toks) == 12
     want = assert_state_of(model, state, prompt + toks)  # the state holds exactly the tokens kept
     torch.testing.assert_close(state.next_logits, want.next_logits, atol=2e-5, rtol=1e-4)
+
+
+def test_parameters_the_sampler_cannot_take_end_only_their_job():
+    """Unchecked values (the HTTP edge refuses them; the engine must not depend on it): a top_k
+    beyond int64 made the batched sampler raise for every row of the batch."""
+    torch.manual_seed(0)
+    model = LM(PRESETS["tiny-linear"]).eval()
+    alone = asyncio.run(run(model, True, with_faulty=False))
+    hit = asyncio.run(run(model, True, with_faulty=True, faulty_kw={"top_k": 2 ** 70}))
+    assert [r[1] for r in hit[:-1]] == [r[1] for r in alone]
+    assert hit[-1][1] == [] and hit[-1][2] == "error" and "sampling failed" in hit[-1][3]
 
 
 @pytest.fixture(scope="module")
