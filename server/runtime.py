@@ -143,8 +143,7 @@ class Runtime:
         if text is not None:
             cap = self.settings.max_prompt_bytes
             if len(text) > cap or len(text.encode()) > cap:  # chars <= bytes: the first test is free
-                raise APIError(413, "prompt_too_long", f"the prompt's {len(text.encode())} bytes exceed "
-                               f"max_prompt_bytes={cap}")
+                raise APIError(413, "prompt_too_long", f"the prompt text exceeds max_prompt_bytes={cap} (UTF-8)")
             ids = await asyncio.to_thread(eng.tok.encode, text)
         else:
             ids = list(tokens or [])
