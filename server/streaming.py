@@ -85,6 +85,8 @@ async def collect(job: Job, eng: Engine, s: Session, rt) -> dict:
             text.append(ev["text"])
             if "logprobs" in ev:
                 lps.append(ev["logprobs"])
-        else:
+        else:  # a failed generation keeps fewer tokens than it emitted: the body says only those
+            n = ev["usage"]["completion_tokens"]
+            toks, text, lps = toks[:n], text[:n], lps[:n]
             return {"tokens": toks, "text": "".join(text), **ev, **({"logprobs": lps} if lps else {})}
     raise RuntimeError("generation ended without a done event")

@@ -185,3 +185,38 @@ def test_a_failed_generation_over_http(checkpoint):
                 assert chunks[-1] == "[DONE]" and json.loads(chunks[-2])["error"]["type"] == "generation_failed"
                 assert all(c["finish_reason"] is None for ch in chunks[:-2] for c in json.loads(ch)["choices"])
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_a_step_failing_for_one_session_over_http(checkpoint, lookahead):
+    """The step taking a token fails: the session ends one token short of what was emitted (a
+    token already handed over is taken back from the history: always so without lookahead), and
+    says so; its history and state agree, and it continues like a twin."""
+    async def go():
+        app = create_app(Settings(models=[str(checkpoint)], lookahead=lookahead))
+        async with app.router.lifespan_context(app):
+            model = app.state.runtime.engines["linear"].model
+            real = model.step
+
+            def step(tokens, state):  # fails for rows past position 60: only the long session gets there
+                if (state.position >= 60).any():
+                    raise RuntimeError("injected step fault")
+                return real(tokens, state)
+            model.step = step
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30) as c:
+                short = (await c.post("/v1/sessions", json={"tokens": [5, 6, 7]})).json()["id"]
+                sid = (await c.post("/v1/sessions", json={"tokens": list(range(100, 155))})).json()["id"]
+                runs = [c.post(f"/v1/sessions/{s}/generate", json={"stream": False, "temperature": 0, "max_tokens": 20})
+                        for s in (short, sid)]
+                ok, done = [r.json() for r in await asyncio.gather(*runs)]
+                assert ok["finish_reason"] == "length" and len(ok["tokens"]) == 20
+                assert done["finish_reason"] == "error" and "injected" in done["error"]["message"]
+                assert len(done["tokens"]) == 5 == done["usage"]["completion_tokens"]  # positions 55..59 stepped
+                hist = (await c.get(f"/v1/sessions/{sid}/history")).json()
+                assert hist["tokens"] == list(range(100, 155)) + done["tokens"] and hist["position"] == 60
+                model.step = real
+                twin = (await c.post("/v1/sessions", json={"tokens": hist["tokens"]})).json()["id"]
+                a, b = [(await c.post(f"/v1/sessions/{s}/generate", json={"stream": False, "temperature": 0,
+                                                                           "max_tokens": 8})).json() for s in (sid, twin)]
+                assert a["tokens"] == b["tokens"] and a["finish_reason"] == "length"
+    asyncio.run(go())
