@@ -68,6 +68,7 @@ class Done:
     usage: dict
     timings: dict
     persisted: bool = True  # False: the server's store was unreachable; it keeps the session in memory
+    error: dict | None = None  # {"type", "message"} when finish_reason is "error"
 
 
 def _sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs) -> dict:
@@ -82,7 +83,7 @@ def _event(kind: str, data: str):
     d = json.loads(data)
     if kind == "token":
         return TokenEvent(d["token"], d["text"], d["position"], d.get("logprobs"))
-    return Done(d["finish_reason"], d["usage"], d["timings"], d.get("persisted", True))
+    return Done(d["finish_reason"], d["usage"], d["timings"], d.get("persisted", True), d.get("error"))
 
 
 @dataclass

@@ -41,6 +41,7 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # top-p: keep the smallest prefix whose mass reaches p (the token crossing p is kept)
     drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+    drop[:, 0] = False  # the most likely token always stays, whatever p rounds to in float32
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     return torch.zeros_like(probs).scatter_(-1, order, probs)
 
@@ -63,10 +64,15 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
 
 class StopMatcher:
     """Holds back generated text that might be the start of a stop sequence, so a stop string
-    is never streamed. feed(text) -> (text safe to emit, stopped)."""
+    is never streamed. feed(text) -> (text safe to emit, stopped).
+
+    Each stop string has a KMP automaton whose state (the longest prefix of the stop that ends
+    the text so far) carries over from one feed to the next, so a feed costs time linear in the
+    new text whatever the stop strings' length, and exactly the text that could still start a
+    stop (the longest such prefix) is held back. Where stops overlap, the one starting first wins."""
 
     def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
+        self.stops = [_Kmp(s) for s in stops if s]
         self.pending = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
@@ -74,15 +80,49 @@ class StopMatcher:
         if not self.stops:
             out, self.pending = self.pending, ""
             return out, False
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+        base = len(self.pending) - len(text)  # where the new text starts in pending
+        first = None  # start (in pending) of the earliest stop found
+        for m in self.stops:
+            end = m.feed(text)
+            if end is not None:
+                start = base + end + 1 - len(m.stop)
+                first = start if first is None else min(first, start)
+        if first is not None:
+            out, self.pending = self.pending[:first], ""
             return out, True
-        keep = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
-        cut = len(self.pending) - keep
+        cut = len(self.pending) - max(m.state for m in self.stops)
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out, False
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+class _Kmp:
+    """Knuth-Morris-Pratt matcher of one stop string over a text fed in pieces."""
+
+    def __init__(self, stop: str):
+        self.stop, self.state = stop, 0
+        self.fail = [0] * len(stop)  # fail[i]: longest proper border of stop[:i + 1]
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self.fail[i] = k
+
+    def feed(self, text: str) -> int | None:
+        """Advance over text; the index in text where the first full match ends, else None."""
+        stop, fail, k = self.stop, self.fail, self.state
+        for i, c in enumerate(text):
+            while k and c != stop[k]:
+                k = fail[k - 1]
+            if c == stop[k]:
+                k += 1
+                if k == len(stop):
+                    self.state = fail[k - 1]
+                    return i
+        self.state = k
+        return None

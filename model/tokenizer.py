@@ -43,7 +43,9 @@ class Tokenizer:
             self.token_bytes[i] = bytes(alpha[c] for c in piece)
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of the GIL while it works (encode holds it: ~1 s for 1 MiB), so a
+        # long prompt tokenized on a worker thread stalls neither the event loop nor the engine
+        return self.hf.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         return b"".join(self.token_bytes[i] for i in ids)

@@ -13,6 +13,11 @@ History = what the client got: the handler counts the events it has handed to th
 so the next step overlaps the send), but only one such token at a time, and it keeps a rollback
 point for it: if the stream is cut before that token left, the row is restored. The state then
 covers exactly the tokens the client was sent.
+
+A fault harms only the job that causes it: a step that raises is rolled back (every row of a
+step has a rollback copy) and retried in halves until the job that fails alone is found; a row
+whose logits are not finite, or a job the sampler fails on, ends alone. Such a job ends with
+finish "error" and `Job.error`, its state rolled back to tokens its client has been handed.
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ class Job:
     pending: int | None = None  # last emitted token, not yet consumed by the state
     saved: tuple | None = None  # (rows copy, index): the row before its last, undelivered, consumed token
     finish: str | None = None
+    error: str | None = None  # why it ended with finish "error"
     cancelled: bool = False
     end_reason: str | None = None  # why the server ended it early ("shutdown"), reported instead of "cancelled"
     t_submit: float = field(default_factory=time.perf_counter)
@@ -95,6 +101,7 @@ class Engine:
         self.free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest slot: active rows stay contiguous
         self.prefill_chunk, self.max_batch, self.metrics = prefill_chunk, max_batch, metrics
         self.lookahead = lookahead
+        self.sampler = sample  # replaceable, for fault-injection tests
         self.cmds: deque = deque()
         self.prefills: deque[Prefill] = deque()
         self.jobs: list[Job] = []
@@ -197,11 +204,10 @@ class Engine:
                 self._prefill_chunk(self.prefills[0])
             try:
                 self._decode()
-            except Exception:  # a bug, not a client's fault: end the streams, keep serving
-                log.exception("decode step failed; ending %d streams", len(self.jobs))
+            except Exception as e:  # faults are contained per job in _step/_emit; this is a bug
+                log.exception("decode iteration failed; ending %d streams", len(self.jobs))
                 for j in list(self.jobs):
-                    j.finish = "error"
-                    self._finish(j)
+                    self._fail(j, f"internal error: {type(e).__name__}: {e}")
 
     def _prefill_chunk(self, job: Prefill):
         try:
@@ -237,9 +243,7 @@ class Engine:
                 j.saved = None  # delivered: no rollback needed, and the step's copy must not outlive it
             if j.cancelled:
                 if j.yielded < j.consumed:  # consumed, never delivered: roll the row back
-                    saved, i = j.saved
-                    self.pool.assign([j.slot], saved.select([i]))
-                    j.consumed -= 1
+                    self._roll_back(j)
                 if j.pending is not None and j.yielded >= j.emitted:
                     step.append(j)  # delivered, not yet consumed: one last step
                 else:
@@ -258,26 +262,47 @@ class Engine:
             for j in first:
                 j.t_start = time.perf_counter()
             self._emit(first, self.pool.next_logits[rows])
-        if not step:
-            return
-        step.sort(key=lambda j: j.slot)
+        if step:
+            step.sort(key=lambda j: j.slot)
+            self._step(step)
+
+    def _step(self, step: list[Job]):
+        """One batched step over these jobs' pending tokens. If it raises, every row goes back to
+        where it was and the batch is retried in halves, down to the one job that fails alone, so
+        a fault ends only the job that causes it; the others' tokens are the ones they would have
+        had without it (a row's result does not depend on its batch)."""
         rows = [j.slot for j in step]
-        early = [j for j in step if j.yielded < j.emitted]  # consumed ahead of delivery
-        if early:
-            saved = self.pool.copy_rows([j.slot for j in early], with_growing=False)
-            for i, j in enumerate(early):
-                j.saved = (saved, i)
-        if self.kv:  # grow the caches once, ahead, so the step writes in place
-            self.pool.reserve(int(self.pool.position[rows].max()) + 1)
-        st = self.pool.select(rows)
-        t0 = time.perf_counter()
-        logits, new = self.model.step(torch.tensor([j.pending for j in step]), st)
-        self.pool.assign(rows, new)
+        # the rollback point of every row: a step writes the state in place. Without the KV
+        # tensors (entries past a row's position are never read) it costs one copy of the
+        # recurrent state; it also serves the rows consumed ahead of delivery (lookahead)
+        saved = self.pool.copy_rows(rows, with_growing=False)
+        for i, j in enumerate(step):
+            j.saved = (saved, i)
+        try:
+            if self.kv:  # grow the caches once, ahead, so the step writes in place
+                self.pool.reserve(int(self.pool.position[rows].max()) + 1)
+            st = self.pool.select(rows)
+            t0 = time.perf_counter()
+            logits, new = self.model.step(torch.tensor([j.pending for j in step]), st)
+            self.pool.assign(rows, new)
+        except Exception as e:
+            self.pool.assign(rows, saved)
+            if len(step) == 1:
+                return self._fail(step[0], f"the decode step failed: {type(e).__name__}: {e}")
+            log.warning("decode step over %d rows failed (%s: %s); retrying in halves", len(step), type(e).__name__, e)
+            half = len(step) // 2
+            self._step(step[:half])
+            return self._step(step[half:])
         if self.metrics:
             self.metrics.step_seconds.labels(self.name).observe(time.perf_counter() - t0)
             self.metrics.batch_size.labels(self.name).observe(len(step))
+        finite = torch.isfinite(logits).all(-1).tolist()
         go, idx = [], []
         for i, j in enumerate(step):
+            if not finite[i]:  # this row's state went bad: back to before the step, and only it ends
+                self.pool.assign([j.slot], saved.select([i]))
+                self._fail(j, "the model's output became non-finite (NaN or infinity) for this session")
+                continue
             j.pending = None
             j.consumed += 1
             if j.cancelled:  # possibly cancelled during this very step, after consuming ahead of
@@ -291,22 +316,23 @@ class Engine:
             self._emit(go, logits[idx])
 
     def _emit(self, jobs: list[Job], logits: torch.Tensor):
-        tokens = sample(logits, [j.params for j in jobs], [j.gen for j in jobs])
+        finite = torch.isfinite(logits).all(-1).tolist()
+        if not all(finite):  # a new job's held logits (restored or prefilled) can be bad too
+            for j, ok in zip(jobs, finite):
+                if not ok:
+                    self._fail(j, "the model's output is non-finite (NaN or infinity) for this session")
+            idx = [i for i, ok in enumerate(finite) if ok]
+            jobs, logits = [jobs[i] for i in idx], logits[idx]
+        tokens = self._sample(jobs, logits)
         now = time.perf_counter()
         for i, j in enumerate(jobs):
-            t = int(tokens[i])
-            dec, stop = self.decoders.setdefault(id(j), (self.tok.decoder(), StopMatcher(j.params.stop)))
-            text, stopped = stop.feed(dec.feed(t))
-            j.emitted += 1
-            j.pending = t
-            if stopped:
-                j.finish = "stop"
-            elif j.emitted >= j.params.max_tokens:
-                j.finish = "length"
-                text += stop.feed(dec.flush())[0] + stop.flush()
-            ev = {"token": t, "text": text}
-            if j.logprobs is not None:
-                ev["logprobs"] = _logprob_entries(logits[i:i + 1], [t], j.logprobs, self.tok)[0]
+            if tokens[i] is None:
+                continue
+            try:
+                ev = self._event(j, tokens[i], logits[i:i + 1])
+            except Exception as e:
+                self._fail(j, f"turning token {tokens[i]} into text failed: {type(e).__name__}: {e}")
+                continue
             if self.metrics:
                 self.metrics.tokens.labels(self.name).inc()
                 if j.t_first is None:
@@ -317,7 +343,60 @@ class Engine:
             j.t_last = now
             j.loop.call_soon_threadsafe(j.events.put_nowait, ("token", ev))
 
+    def _sample(self, jobs: list[Job], logits: torch.Tensor) -> list[int | None]:
+        """A token per row; None for a job whose sampling failed (that job is ended). After a
+        failure the rows are sampled one by one: `sample` draws from the generators only after
+        everything that can fail, so the others draw exactly what they would have in the batch."""
+        try:
+            return self.sampler(logits, [j.params for j in jobs], [j.gen for j in jobs]).tolist()
+        except Exception as e:
+            if len(jobs) == 1:
+                self._fail(jobs[0], f"sampling failed: {type(e).__name__}: {e}")
+                return [None]
+        out = []
+        for i, j in enumerate(jobs):
+            try:
+                out.append(int(self.sampler(logits[i:i + 1], [j.params], [j.gen])[0]))
+            except Exception as e:
+                self._fail(j, f"sampling failed: {type(e).__name__}: {e}")
+                out.append(None)
+        return out
+
+    def _event(self, j: Job, t: int, logits: torch.Tensor) -> dict:
+        """Account for the sampled token t and build its event."""
+        dec, stop = self.decoders.setdefault(id(j), (self.tok.decoder(), StopMatcher(j.params.stop)))
+        text, stopped = stop.feed(dec.feed(t))
+        if stopped:
+            j.finish = "stop"
+        elif j.emitted + 1 >= j.params.max_tokens:
+            j.finish = "length"
+            text += stop.feed(dec.flush())[0] + stop.flush()
+        ev = {"token": t, "text": text}
+        if j.logprobs is not None:
+            ev["logprobs"] = _logprob_entries(logits, [t], j.logprobs, self.tok)[0]
+        j.emitted += 1
+        j.pending = t
+        return ev
+
+    def _roll_back(self, j: Job):
+        """Undo the consumption of j's last token, which never reached its client."""
+        saved, i = j.saved
+        self.pool.assign([j.slot], saved.select([i]))
+        j.consumed -= 1
+
+    def _fail(self, j: Job, message: str):
+        """End j alone with finish "error". Its state keeps only tokens its client has been handed:
+        a token consumed ahead of delivery is rolled back, and the handler hands over no more."""
+        log.warning("generation on slot %d failed: %s", j.slot, message)
+        if j.yielded < j.consumed and j.saved is not None:
+            self._roll_back(j)
+        j.pending = None
+        j.finish, j.error = "error", message
+        self._finish(j)
+
     def _finish(self, j: Job):
+        if j not in self.jobs:  # already ended (a failure met while it was being finished)
+            return
         self.jobs.remove(j)
         j.saved = None
         self.decoders.pop(id(j), None)
@@ -346,7 +425,7 @@ def _logprob_entries(logits: torch.Tensor, tokens: list[int], top: int, tok: Tok
     for i in range(len(tokens)):
         alts = {}
         if top:
-            v, ix = lp[i].topk(top)
+            v, ix = lp[i].topk(min(top, lp.shape[-1]))
             alts = {tok.decode([int(a)]): float(b) for a, b in zip(ix, v)}
         out.append((float(chosen[i]), alts))
     return out

@@ -8,6 +8,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model.state import SnapshotError
 
+from .schemas import NOT_UNICODE
 from .store import StoreUnavailable
 
 
@@ -34,6 +35,15 @@ def reply(type: str, message: str, status: int, headers: dict | None = None) -> 
     return JSONResponse(body(type, message), status, headers=headers)
 
 
+def invalid(errors: list[dict]) -> tuple[dict, int]:
+    """A body that failed validation: 422 naming each field, or 400 for text that is not valid
+    Unicode (schemas.Body, or pydantic's own check on constrained strings), which no field takes."""
+    text = [e for e in errors if e["type"] in ("invalid_unicode", "string_unicode")]
+    msg = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: "
+                    f"{NOT_UNICODE if e['type'] == 'string_unicode' else e['msg']}" for e in text or errors)
+    return (body("invalid_unicode", msg), 400) if text else (body("invalid_request", msg), 422)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, e: APIError):
@@ -50,8 +60,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError):
-        msg = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
-        return reply("invalid_request", msg, 422)
+        return JSONResponse(*invalid(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):

@@ -141,17 +141,25 @@ class Runtime:
             raise APIError(400, "unknown_model", f"model {name!r} is not served; served: {sorted(self.engines)}")
         return self.engines[name]
 
-    def tokens_of(self, eng: Engine, text: str | None, tokens: list[int] | None) -> list[int]:
+    async def tokens_of(self, eng: Engine, text: str | None, tokens: list[int] | None) -> list[int]:
+        """The ids of a prompt: text (bounded in bytes before it is tokenized, and tokenized off the
+        event loop so that a big prompt stalls nobody) or ids, checked against the vocabulary."""
         if text is not None and tokens is not None:
             raise APIError(400, "invalid_request", "give either text/prompt or tokens, not both")
-        ids = eng.tok.encode(text) if text is not None else list(tokens or [])
+        if text is not None:
+            cap = self.settings.max_prompt_bytes
+            if len(text) > cap or len(text.encode()) > cap:  # chars <= bytes: the first test is free
+                raise APIError(413, "prompt_too_long", f"the prompt text exceeds max_prompt_bytes={cap} (UTF-8)")
+            ids = await asyncio.to_thread(eng.tok.encode, text)
+        else:
+            ids = list(tokens or [])
+        if len(ids) > self.settings.max_prompt_tokens:
+            raise APIError(413, "prompt_too_long",
+                           f"{len(ids)} tokens exceed max_prompt_tokens={self.settings.max_prompt_tokens}")
         V = eng.model.cfg.vocab_size
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise APIError(400, "invalid_token", f"token ids must lie in [0, {V}); got {bad[:5]}")
-        if len(ids) > self.settings.max_prompt_tokens:
-            raise APIError(413, "prompt_too_long",
-                           f"{len(ids)} tokens exceed max_prompt_tokens={self.settings.max_prompt_tokens}")
         return ids
 
     def check_max_tokens(self, n: int) -> None:
@@ -452,7 +460,7 @@ class Runtime:
     async def create(self, model: str | None, text: str | None, tokens: list[int] | None, owner: str = "",
                      ephemeral: bool = False) -> Session:
         eng = self.engine(model)
-        ids = self.tokens_of(eng, text, tokens)
+        ids = await self.tokens_of(eng, text, tokens)
         if not ephemeral:
             await self.store.ping()
         s = await self._new(eng, owner, ephemeral=ephemeral)
@@ -529,6 +537,11 @@ class Runtime:
         ephemeral one, made for a single OpenAI request, is deleted instead)."""
         try:
             await job.finished.wait()
+            extra = job.yielded - job.consumed
+            if job.finish == "error" and extra > 0:  # handed over, but the step taking it failed
+                del s.tokens[len(s.tokens) - extra:]
+                job.yielded = job.consumed
+                job.error += f"; the last {extra} token(s) sent could not be applied and are not part of the session"
             await self.persist(s)
         finally:
             s.last_used_at = time.time()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 WEIGHTS = Path(__file__).resolve().parent.parent / "model" / "weights"
@@ -19,6 +19,8 @@ class Settings(BaseSettings):
     max_sessions: int = 1024  # recurrent models: sessions held in memory (state slots)
     max_kv_sessions: int = 4  # KV-cache models: every slot's cache grows to the longest context held
     max_prompt_tokens: int = 65536  # per create/push/completion request
+    # prompt text per request, checked before tokenizing; 0 = 16 bytes per max_prompt_tokens
+    max_prompt_bytes: int = 0
     max_new_tokens: int = 4096  # per generate request
     max_body_bytes: int = 16 << 20  # request bodies (state blobs included)
     prefill_chunk: int = 512  # prefill advances this many tokens between two decode steps
@@ -51,6 +53,12 @@ class Settings(BaseSettings):
     api_key_file: Path | None = None  # one key per line; '#' starts a comment
     metrics_public: bool = False  # serve /metrics without a key
     docs_public: bool = False  # serve /docs, /redoc and /openapi.json without a key
+
+    @model_validator(mode="after")
+    def _derived(self) -> "Settings":
+        if not self.max_prompt_bytes:
+            self.max_prompt_bytes = 16 * self.max_prompt_tokens
+        return self
 
     def checkpoint(self, name: str) -> Path:
         p = Path(name)

@@ -36,10 +36,15 @@ async def events(job: Job, eng: Engine, s: Session, rt) -> AsyncIterator[tuple[s
                     persisted = False
                 n = job.yielded
                 reason = job.end_reason if job.finish == "cancelled" and job.end_reason else job.finish
-                yield "done", {"finish_reason": reason,
-                               "usage": {"prompt_tokens": start, "completion_tokens": n, "total_tokens": start + n},
-                               "timings": job.timings(), "persisted": persisted}
+                done = {"finish_reason": reason,
+                        "usage": {"prompt_tokens": start, "completion_tokens": n, "total_tokens": start + n},
+                        "timings": job.timings(), "persisted": persisted}
+                if job.finish == "error":
+                    done["error"] = {"type": "generation_failed", "message": job.error}
+                yield "done", done
                 return
+            if job.finish == "error" and job.yielded >= job.consumed:  # the failed job's state ends
+                continue  # here: a token it could not take is not handed over
             if job.end_reason or job.cancelled:  # the server is ending this generation (shutdown):
                 if not job.cancelled:  # this token is not handed over; the engine rolls it back
                     job.cancelled = True
@@ -103,6 +108,8 @@ async def collect(job: Job, eng: Engine, s: Session, rt) -> dict:
             text.append(ev["text"])
             if "logprobs" in ev:
                 lps.append(ev["logprobs"])
-        else:
+        else:  # a failed generation keeps fewer tokens than it emitted: the body says only those
+            n = ev["usage"]["completion_tokens"]
+            toks, text, lps = toks[:n], text[:n], lps[:n]
             return {"tokens": toks, "text": "".join(text), **ev, **({"logprobs": lps} if lps else {})}
     raise RuntimeError("generation ended without a done event")

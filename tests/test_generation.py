@@ -70,3 +70,47 @@ def test_generation_respects_max_tokens_and_seed(tiny):
     b = [e.token for e in Generation(tiny, Tok(), s.clone(), params)]
     assert len(a) == 9 and a == b
     assert Tokenizer  # imported module is importable
+
+
+class NaiveStops:
+    """The reference: search the whole held-back text for every stop on each feed (quadratic)."""
+
+    def __init__(self, stops):
+        self.stops, self.pending = [s for s in stops if s], ""
+
+    def feed(self, text):
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        keep = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+
+def test_stop_matcher_agrees_with_the_naive_search():
+    """Random stops over a small alphabet (many overlaps and self-overlaps), random pieces: the
+    same text out, the same text held back, the same stop, at every feed."""
+    import random
+    rng = random.Random(0)
+    for trial in range(3000):
+        alphabet = "ab" if trial % 2 else "abc"
+        word = lambda n: "".join(rng.choice(alphabet) for _ in range(n))  # noqa: E731
+        stops = [word(rng.randint(0, 6)) for _ in range(rng.randint(0, 4))]
+        fast, slow = StopMatcher(stops), NaiveStops(stops)
+        for piece in [word(rng.randint(0, 5)) for _ in range(rng.randint(1, 10))]:
+            got = fast.feed(piece)
+            assert got == slow.feed(piece) and fast.pending == slow.pending, (stops, piece)
+            if got[1]:
+                break
+
+
+def test_long_self_overlapping_stop_holds_back_only_what_could_start_it():
+    """A stop of 256 'a's then 'b' over a stream of 'a's: exactly the last 256 are held back,
+    and the 'b' stops with every earlier 'a' sent."""
+    m = StopMatcher(["a" * 256 + "b"])
+    sent = "".join(m.feed("a")[0] for _ in range(2000))
+    assert sent == "a" * (2000 - 256) and m.pending == "a" * 256
+    assert m.feed("ab") == ("a", True)

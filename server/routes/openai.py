@@ -11,44 +11,45 @@ import time
 from typing import Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from ..auth import Owner
 from ..errors import APIError
-from ..schemas import Sampling
+from ..schemas import MAX_LOGPROBS, MAX_NEW_TOKENS, Body, Name, Prompt, Sampling, Tokens
 from ..streaming import collect, events, let_go, sse_response
 from .deps import RT
 from .sessions import sampling_params
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+MAX_MESSAGES = 1024  # per chat request; their text together is bounded by max_prompt_bytes
 
 
 class Completion(Sampling):
     model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    prompt: str | list[int] = ""
-    max_tokens: int = Field(16, ge=0)
+    model: Name | None = None
+    prompt: Prompt | Tokens = ""
+    max_tokens: int = Field(16, ge=0, le=MAX_NEW_TOKENS, description="also at most the server's max_new_tokens")
     stream: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     n: int = Field(1, ge=1, le=1)
-    session_id: str | None = None
+    session_id: Name | None = None
 
 
-class Message(BaseModel):
+class Message(Body):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Prompt
 
 
 class Chat(Sampling):
     model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    model: Name | None = None
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS, description="also at most the server's max_new_tokens")
+    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
     stream: bool = False
     n: int = Field(1, ge=1, le=1)
-    session_id: str | None = None
+    session_id: Name | None = None
 
 
 def chat_prompt(messages: list[Message]) -> str:
@@ -69,7 +70,7 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
         eng = rt.engines[s.model]
     else:
         s, eng = None, rt.engine(req.model)
-    ids = rt.tokens_of(eng, text, None) if isinstance(text, str) else rt.tokens_of(eng, None, text)
+    ids = await (rt.tokens_of(eng, text, None) if isinstance(text, str) else rt.tokens_of(eng, None, text))
     temp = s is None
     if temp:
         rt.admit(eng, owner)  # draining, overloaded or rate-limited: refused before any work
@@ -120,8 +121,11 @@ async def completions(req: Completion, rt: RT, owner: Owner):
                 if kind == "token":
                     lp = _logprobs_obj(eng.tok, [(ev["token"], *ev["logprobs"])]) if "logprobs" in ev else None
                     choice = {"index": 0, "text": ev["text"], "finish_reason": None, "logprobs": lp}
+                elif "error" in ev:
+                    yield {"data": json.dumps({"error": ev["error"]})}
+                    break
                 else:
-                    choice = {"index": 0, "text": "", "finish_reason": _finish(ev["finish_reason"]), "logprobs": None}
+                    choice = {"index": 0, "text": "", "finish_reason": _finish(ev), "logprobs": None}
                 yield {"data": json.dumps({**base, "choices": [choice]})}
                 if kind == "done":
                     yield {"data": json.dumps({**base, "choices": [], "usage": ev["usage"]})}
@@ -134,13 +138,16 @@ async def completions(req: Completion, rt: RT, owner: Owner):
     if want is not None:
         lps = [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))]
         lp = _logprobs_obj(eng.tok, (echo or []) + lps)
-    return {**base, "choices": [{"index": 0, "text": prefix + done["text"], "finish_reason": _finish(done["finish_reason"]),
+    return {**base, "choices": [{"index": 0, "text": prefix + done["text"], "finish_reason": _finish(done),
                                  "logprobs": lp}],
             "usage": done["usage"], **({"session_id": s.id} if not temp else {})}
 
 
-def _finish(reason: str) -> str:
-    return "stop" if reason in ("stop", "cancelled", "shutdown") else "length"
+def _finish(done: dict) -> str:
+    """OpenAI's finish_reason for our done event; a generation that failed is an error object."""
+    if "error" in done:
+        raise APIError(500, done["error"]["type"], done["error"]["message"])
+    return "stop" if done["finish_reason"] in ("stop", "cancelled", "shutdown") else "length"
 
 
 @router.post("/chat/completions")
@@ -157,8 +164,11 @@ async def chat(req: Chat, rt: RT, owner: Owner):
             async for kind, ev in events(job, eng, s, rt):
                 if kind == "token":
                     choice = {"index": 0, "delta": {"content": ev["text"]}, "finish_reason": None}
+                elif "error" in ev:
+                    yield {"data": json.dumps({"error": ev["error"]})}
+                    break
                 else:
-                    choice = {"index": 0, "delta": {}, "finish_reason": _finish(ev["finish_reason"])}
+                    choice = {"index": 0, "delta": {}, "finish_reason": _finish(ev)}
                 yield {"data": json.dumps({**base, "choices": [choice]})}
             yield {"data": "[DONE]"}
         return sse_response(gen(), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s,
@@ -167,7 +177,7 @@ async def chat(req: Chat, rt: RT, owner: Owner):
     done = await collect(job, eng, s, rt)
     return {**base, "object": "chat.completion",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": done["text"]},
-                         "finish_reason": _finish(done["finish_reason"])}],
+                         "finish_reason": _finish(done)}],
             "usage": done["usage"], **({"session_id": s.id} if not temp else {})}
 
 

@@ -1,12 +1,15 @@
 """The session API: /v1/sessions/..."""
 from __future__ import annotations
 
+import json
+
 from fastapi import APIRouter, Request, Response
+from pydantic import ValidationError
 
 from model.sampling import SamplingParams
 
 from ..auth import Owner
-from ..errors import APIError
+from ..errors import APIError, invalid
 from ..schemas import CreateSession, Generate, Push, Restore
 from ..streaming import collect, let_go, sse, sse_response
 from .deps import RT
@@ -44,9 +47,12 @@ async def restore(request: Request, rt: RT, owner: Owner):
     ctype = request.headers.get("content-type", "")
     if ctype.startswith("application/json"):
         try:
-            req = Restore.model_validate_json(await request.body())
-        except ValueError as e:
-            raise APIError(422, "invalid_request", str(e)) from None
+            req = Restore.model_validate(json.loads(await request.body()))
+        except ValidationError as e:
+            content, status = invalid(e.errors())
+            raise APIError(status, content["error"]["type"], content["error"]["message"]) from None
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise APIError(422, "invalid_request", f"body: {e}") from None
         s = await rt.restore_snapshot(req.snapshot_id, owner)
     elif ctype.startswith("application/octet-stream"):
         s = await rt.restore(await request.body(), request.query_params.get("model"), owner)
@@ -72,7 +78,7 @@ async def history(sid: str, owner: Owner, rt: RT):
 @router.post("/{sid}/push")
 async def push(sid: str, owner: Owner, req: Push, rt: RT):
     s = await rt.find(sid, owner)
-    ids = rt.tokens_of(rt.engines[s.model], req.text, req.tokens)
+    ids = await rt.tokens_of(rt.engines[s.model], req.text, req.tokens)
     async with rt.use(sid, owner):
         ms, _ = await rt.push(s, ids)
     return {"position": s.position, "prefill_ms": round(ms, 3), "tokens": len(ids)}
