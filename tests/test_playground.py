@@ -61,7 +61,6 @@ def browser(tmp_path_factory):
         if os.environ.get("CI") == "true":
             pytest.fail(why)
         pytest.skip(why)
-    os.environ["SE_OFFLINE"] = "true"  # Selenium Manager must never fetch a browser or a driver
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -71,9 +70,12 @@ def browser(tmp_path_factory):
               "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
               "--window-size=1400,900", f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
         opts.add_argument(a)
-    driver = webdriver.Chrome(options=opts, service=Service(executable_path=DRIVER))
-    yield driver
-    driver.quit()
+    # the driver's path given, Selenium Manager is not run; offline, it could not fetch anything anyway
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SE_OFFLINE", "true")
+        driver = webdriver.Chrome(options=opts, service=Service(executable_path=DRIVER))
+        yield driver
+        driver.quit()
 
 
 class Page:
@@ -134,7 +136,7 @@ class Page:
         return h
 
 
-def test_playground_in_chromium(server, browser):
+def test_playground_in_chromium(browser, server):
     p = Page(browser, server)
     browser.get(server.url + "/")
     p.idle()
@@ -193,10 +195,12 @@ def test_playground_in_chromium(server, browser):
     p.fill("max-tokens", 4000)
     p.el("generate").click()
     p.wait.until(lambda d: p.el("fig-tokens").text.isdigit() and int(p.el("fig-tokens").text) >= 5)
+    shown = p.text()  # tokens appear while the stream runs
+    assert shown.startswith(hr["text"]) and len(shown) > len(hr["text"])
     p.el("stop").click()
     p.idle()
     hs = p.shows(restored)
-    assert hr["position"] < hs["position"] < hr["position"] + 4000
+    assert hr["position"] < hs["position"] < hr["position"] + 4000 and hs["text"].startswith(shown)
     assert p.el("last").text.startswith("stopped: the server kept")
 
     if path := os.environ.get("LINSTREAM_PLAYGROUND_SCREENSHOT"):

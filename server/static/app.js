@@ -106,9 +106,12 @@ async function loadModels() {
   sel.replaceChildren(...body.data.map((m) => new Option(`${m.id} (${[...new Set(m.mixers)].join("+")})`, m.id)));
 }
 
+// `samples` are the (position, state bytes) pairs read from the server; a branch starts with its
+// parent's up to where it branched off, since it holds that same history.
 function addSession(desc, parent, via, segments) {
+  const inherited = parent ? ui.sessions.get(parent).samples.filter(([x]) => x <= desc.position) : [];
   const s = {id: desc.id, model: desc.model, parent, via, segments, position: desc.position,
-             stateBytes: desc.state_bytes, samples: [[desc.position, desc.state_bytes]]};
+             stateBytes: desc.state_bytes, samples: [...inherited, [desc.position, desc.state_bytes]]};
   ui.sessions.set(s.id, s);
   ui.current = s.id;
   render();
@@ -142,7 +145,7 @@ async function snapshot() {
 async function fork() {
   const s = current();
   const desc = await api("POST", `/v1/sessions/${s.id}/fork`);
-  addSession(desc, s.id, "fork", s.segments.map((g) => ({...g})));
+  addSession(desc, s.id, "fork", s.segments.map((g) => ({...g, inherited: true})));
 }
 
 async function restore(snap) {
@@ -266,12 +269,13 @@ function svgEl(name, attrs, text) {
 
 // A line chart in a 300x120 box: series of [x, y] points, each drawn against the shared maxima.
 function plot(svg, series, xMax, yMax, yLabel) {
-  const W = 300, H = 120, L = 34, B = 14;
+  const W = 300, H = 120, L = 6, B = 14;
   const px = (x) => L + (W - L - 4) * (xMax ? x / xMax : 0);
-  const py = (y) => H - B - (H - B - 6) * (yMax ? y / yMax : 0);
+  const py = (y) => H - B - (H - B - 16) * (yMax ? y / yMax : 0);  // the top 16 hold the label
   const kids = [svgEl("line", {x1: L, y1: H - B, x2: W, y2: H - B, class: "axis"}),
-                svgEl("line", {x1: L, y1: 4, x2: L, y2: H - B, class: "axis"}),
-                svgEl("text", {x: L - 3, y: 12, class: "tick", "text-anchor": "end"}, yLabel),
+                svgEl("line", {x1: L, y1: 16, x2: L, y2: H - B, class: "axis"}),
+                svgEl("line", {x1: L, y1: 16, x2: W, y2: 16, class: "grid"}),
+                svgEl("text", {x: L + 3, y: 11, class: "tick"}, yLabel),
                 svgEl("text", {x: W - 2, y: H - 2, class: "tick", "text-anchor": "end"}, String(xMax))];
   for (const {points, cls} of series) {
     kids.push(svgEl("polyline", {points: points.map(([x, y]) => `${px(x).toFixed(1)},${py(y).toFixed(1)}`).join(" "),
@@ -286,8 +290,12 @@ function drawStream(n, ttft, gaps) {
   $("fig-ttft").textContent = ttft === null ? "–" : `${ttft.toFixed(1)} ms`;
   const sorted = [...gaps].sort((a, b) => a - b);
   $("fig-gap").textContent = sorted.length ? `${sorted[sorted.length >> 1].toFixed(2)} ms` : "–";
-  const yMax = Math.max(1, ...gaps);
-  plot($("latency"), [{points: gaps.map((g, i) => [i + 2, g]), cls: "lat"}], n, yMax, `${yMax.toFixed(1)} ms`);
+  // a rare stall (another process, a GC) would flatten the rest: the scale stops at twice the
+  // 95th percentile, and what goes past it is drawn at the top and counted
+  const yMax = Math.max(1, Math.min(sorted[sorted.length - 1] || 0, 2 * (sorted[Math.floor(sorted.length * 0.95)] || 0)));
+  const over = gaps.filter((g) => g > yMax).length;
+  plot($("latency"), [{points: gaps.map((g, i) => [i + 2, Math.min(g, yMax)]), cls: "lat"}], n, yMax,
+       `${yMax.toFixed(1)} ms` + (over ? ` (${over} above)` : ""));
 }
 
 function drawFigures(s) {
@@ -311,7 +319,7 @@ function drawFigures(s) {
 // ---- rendering ------------------------------------------------------------------------------
 
 const current = () => ui.sessions.get(ui.current);
-const short = (id) => id.slice(0, 8);
+const short = (id) => id.replace(/^[a-z]+_/, "").slice(0, 8);  // ids are "sess_..." and "snap_..."
 const textOf = (s) => s.segments.map((g) => g.text).join("");
 
 function appendText(text, kind) {
@@ -368,7 +376,8 @@ function render() {
   $("session-line").dataset.sid = s.id;
   if (!ui.stream || ui.stream.sid !== s.id) {
     $("text").replaceChildren(...s.segments.map((g) =>
-      Object.assign(document.createElement("span"), {className: g.kind, textContent: g.text})));
+      Object.assign(document.createElement("span"), {className: g.kind + (g.inherited ? " inherited" : ""),
+                                                     textContent: g.text})));
   }
   drawFigures(s);
 }
