@@ -39,8 +39,9 @@ def api(server, method, path, **kw):
 def test_page_is_public_and_models_report_state_bytes(server):
     page = httpx.get(server.url + "/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    assert '<script src="/static/app.js">' in page.text
-    assert httpx.get(server.url + "/static/app.js").status_code == 200
+    assert '<script type="module" src="/static/app.js">' in page.text
+    for f in ("app.js", "api.js", "chart.js", "style.css"):
+        assert httpx.get(f"{server.url}/static/{f}").status_code == 200
     assert httpx.get(server.url + "/v1/models").status_code == 401  # the page is public, the API is not
     models = {m["id"]: m for m in api(server, "GET", "/v1/models")["data"]}
     lin, soft = models["linear"], models["softmax"]
@@ -205,3 +206,36 @@ def test_playground_in_chromium(browser, server):
 
     if path := os.environ.get("LINSTREAM_PLAYGROUND_SCREENSHOT"):
         browser.save_screenshot(path)
+
+
+SSE_SCRIPT = """
+const done = arguments[arguments.length - 1];
+import("/static/api.js").then(async ({sseFrames}) => {
+  const bytes = new TextEncoder().encode(arguments[0]);
+  const cuts = [[1]];  // one byte at a time, then every two-piece split
+  for (let i = 1; i < bytes.length; i++) cuts.push([i, bytes.length]);
+  const out = [];
+  for (const cut of cuts) {
+    const pieces = [];
+    if (cut.length === 1) for (const b of bytes) pieces.push(new Uint8Array([b]));
+    else pieces.push(bytes.slice(0, cut[0]), bytes.slice(cut[0]));
+    const body = new ReadableStream({start(c) { pieces.forEach((p) => c.enqueue(p)); c.close(); }});
+    const frames = [];
+    for await (const f of sseFrames(body)) frames.push([f.event, f.data]);
+    out.push(frames);
+  }
+  done(out);
+}).catch((e) => done(String(e)));
+"""
+
+
+def test_sse_frames_however_the_bytes_are_cut(browser, server):
+    """The page's SSE parser, in the browser, on what sse-starlette sends (\\r\\n line ends, ping
+    comments, UTF-8), cut into pieces at every byte."""
+    browser.get(server.url + "/")
+    wire = ('event: token\r\ndata: {"text": "é\\\\n"}\r\n\r\n: ping - 2026-12-01\r\n\r\n'
+            'event: done\r\ndata: {"finish_reason": "length"}\r\n\r\ndata: [DONE]\r\n\r\n')
+    want = [["token", '{"text": "é\\\\n"}'], ["done", '{"finish_reason": "length"}'], ["message", "[DONE]"]]
+    results = browser.execute_async_script(SSE_SCRIPT, wire)
+    assert isinstance(results, list) and len(results) == len(wire.encode())
+    assert all(r == want for r in results)

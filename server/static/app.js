@@ -1,9 +1,9 @@
-// The playground: plain JavaScript, no framework, no build step. It speaks only the HTTP API
-// that every client uses (README, "HTTP API"); the page itself holds no data.
-"use strict";
+// The playground: plain JavaScript (ES modules), no framework, no build step. It speaks only the
+// HTTP API that every client uses (README, "HTTP API"); the page itself holds no data.
+import {api, apiError, auth, headers, sseFrames} from "./api.js";
+import {fmtBytes, plot} from "./chart.js";
 
 const ui = {
-  key: "",               // the API key: page memory only, never written to storage
   models: new Map(),     // name -> /v1/models entry (with its byte figures)
   sessions: new Map(),   // id -> {id, model, parent, via, segments, position, stateBytes, samples}
   current: null,         // id of the session shown
@@ -13,66 +13,6 @@ const ui = {
 };
 
 const $ = (id) => document.getElementById(id);
-
-// ---- the API --------------------------------------------------------------------------------
-
-function headers(json) {
-  const h = {};
-  if (ui.key) h.Authorization = "Bearer " + ui.key;
-  if (json) h["Content-Type"] = "application/json";
-  return h;
-}
-
-async function apiError(r) {
-  // every error the server sends is {"error": {"type", "message"}}; anything else says its status
-  let type = "http_" + r.status, message = r.statusText || "request failed";
-  try {
-    const e = (await r.json()).error;
-    if (e && e.message) ({type, message} = e);
-  } catch (_) { /* not JSON: keep the status */ }
-  const err = new Error(message);
-  err.type = type;
-  return err;
-}
-
-async function api(method, path, body) {
-  const r = await fetch(path, {method, headers: headers(body !== undefined),
-                               body: body === undefined ? undefined : JSON.stringify(body)});
-  if (!r.ok) throw await apiError(r);
-  return r.status === 204 ? null : r.json();
-}
-
-// Server-sent events over a POST: EventSource only GETs, so the frames are parsed here
-// (fields per the SSE spec; sse-starlette ends lines with \r\n and sends ": ping" comments).
-async function* sseFrames(body) {
-  const reader = body.pipeThrough(new TextDecoderStream()).getReader();
-  let buf = "", carry = "";
-  for (;;) {
-    const {value, done} = await reader.read();
-    if (done) return;
-    let chunk = carry + value;
-    carry = chunk.endsWith("\r") ? "\r" : "";  // a \r\n may be split between two chunks
-    if (carry) chunk = chunk.slice(0, -1);
-    buf += chunk.replace(/\r\n?/g, "\n");
-    let end;
-    while ((end = buf.indexOf("\n\n")) >= 0) {
-      const frame = buf.slice(0, end);
-      buf = buf.slice(end + 2);
-      let event = "message";
-      const data = [];
-      for (const line of frame.split("\n")) {
-        if (!line || line.startsWith(":")) continue;
-        const colon = line.indexOf(":");
-        const field = colon < 0 ? line : line.slice(0, colon);
-        let v = colon < 0 ? "" : line.slice(colon + 1);
-        if (v.startsWith(" ")) v = v.slice(1);
-        if (field === "event") event = v;
-        else if (field === "data") data.push(v);
-      }
-      if (data.length) yield {event, data: data.join("\n")};
-    }
-  }
-}
 
 // ---- actions --------------------------------------------------------------------------------
 
@@ -250,41 +190,6 @@ function kvPerToken(model) {
   return m ? [m.softmax_kv_bytes_per_token, "softmax KV cache, same shape"] : [0, "softmax KV cache"];
 }
 
-function fmtBytes(n) {
-  if (n === undefined || n === null) return "–";
-  const u = ["B", "KB", "MB", "GB"];
-  let i = 0;
-  while (n >= 1000 && i < u.length - 1) { n /= 1000; i++; }
-  return `${i ? n.toFixed(1) : n} ${u[i]}`;
-}
-
-const SVG = "http://www.w3.org/2000/svg";
-
-function svgEl(name, attrs, text) {
-  const e = document.createElementNS(SVG, name);
-  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
-// A line chart in a 300x120 box: series of [x, y] points, each drawn against the shared maxima.
-function plot(svg, series, xMax, yMax, yLabel) {
-  const W = 300, H = 120, L = 6, B = 14;
-  const px = (x) => L + (W - L - 4) * (xMax ? x / xMax : 0);
-  const py = (y) => H - B - (H - B - 16) * (yMax ? y / yMax : 0);  // the top 16 hold the label
-  const kids = [svgEl("line", {x1: L, y1: H - B, x2: W, y2: H - B, class: "axis"}),
-                svgEl("line", {x1: L, y1: 16, x2: L, y2: H - B, class: "axis"}),
-                svgEl("line", {x1: L, y1: 16, x2: W, y2: 16, class: "grid"}),
-                svgEl("text", {x: L + 3, y: 11, class: "tick"}, yLabel),
-                svgEl("text", {x: W - 2, y: H - 2, class: "tick", "text-anchor": "end"}, String(xMax))];
-  for (const {points, cls} of series) {
-    kids.push(svgEl("polyline", {points: points.map(([x, y]) => `${px(x).toFixed(1)},${py(y).toFixed(1)}`).join(" "),
-                                 class: cls}));
-  }
-  svg.replaceChildren(...kids);
-  svg.dataset.points = String(series.length ? series[0].points.length : 0);
-}
-
 function drawStream(n, ttft, gaps) {
   $("fig-tokens").textContent = String(n);
   $("fig-ttft").textContent = ttft === null ? "–" : `${ttft.toFixed(1)} ms`;
@@ -389,8 +294,8 @@ function on(id, fn) {
 }
 
 on("key-form", async () => {
-  ui.key = $("key").value.trim();
-  $("key-state").textContent = ui.key ? "key set (kept in this page only)" : "no key";
+  auth.key = $("key").value.trim();
+  $("key-state").textContent = auth.key ? "key set (kept in this page only)" : "no key";
   await loadModels();
 });
 on("start-form", startSession);
