@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException
 
@@ -14,6 +17,10 @@ from .routes import docs, openai, sessions, system
 from .runtime import Runtime
 from .schemas import Restore
 from .settings import Settings
+
+# The playground page: static files shipped with the package, public like any page (they hold no
+# data); the API calls it makes carry the key the user types in.
+STATIC = Path(__file__).parent / "static"
 
 
 class BodyLimit:
@@ -95,6 +102,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for r in (sessions.router, openai.router, system.router, docs.router):
         app.include_router(r)
     app.openapi = lambda: _openapi(app)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.add_api_route("/", lambda: FileResponse(STATIC / "index.html"), include_in_schema=False)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(BodyTimeout, timeout=settings.body_timeout)
     return app

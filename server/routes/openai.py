@@ -13,6 +13,8 @@ from typing import Literal
 from fastapi import APIRouter
 from pydantic import ConfigDict, Field
 
+from model.footprint import footprint
+
 from ..auth import Owner
 from ..errors import APIError
 from ..schemas import MAX_LOGPROBS, MAX_NEW_TOKENS, Body, Name, Prompt, Sampling, Tokens
@@ -186,4 +188,4 @@ async def models(rt: RT, owner: Owner):
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "linstream",
          "mixers": list(e.model.cfg.layer_mixers), "parameters": e.model.num_params(),
-         "fingerprint": e.model.fingerprint} for name, e in rt.engines.items()]}
+         "fingerprint": e.model.fingerprint, **footprint(e.model)} for name, e in rt.engines.items()]}
