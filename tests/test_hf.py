@@ -181,3 +181,63 @@ def test_cuda_matches_cpu(pair):
     assert got.device.type == "cuda" and (got.cpu() - want).abs().max() < TOL
     step, _ = gpu.step(torch.tensor([3]), state)
     assert step.device.type == "cuda"
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """One Mamba checkpoint, and a copy whose config names as eos the fourth token the first
+    generates greedily from PROMPT (found by running it)."""
+    d = tmp_path_factory.mktemp("served")
+    first = save_hf(perturbed("mamba", 0.3), d / "mamba-hf")
+    model, tok = load_checkpoint(first)
+    logits, state = model(torch.tensor([tok.encode(PROMPT)]), model.init_state(1))
+    greedy = []
+    for _ in range(4):
+        greedy.append(int(logits.reshape(-1, model.cfg.vocab_size)[-1].argmax()))
+        logits, state = model.step(torch.tensor(greedy[-1:]), state)
+    second = d / "with-eos"
+    shutil.copytree(first, second)
+    cfg = json.loads((second / "config.json").read_text())
+    (second / "config.json").write_text(json.dumps({**cfg, "eos_token_id": greedy[3]}))
+    return first, second, greedy
+
+
+PROMPT = "ROMEO:\nBut soft"
+
+
+@pytest.mark.asyncio
+async def test_served_over_the_session_api(hf_dirs):
+    import httpx
+
+    from server.app import create_app
+    from server.settings import Settings
+    first, second, greedy = hf_dirs
+    app = create_app(Settings(models=[str(first), str(second)], names=["tiny-mamba-hf"], max_sessions=4))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            names = [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+            assert names == ["tiny-mamba-hf", "with-eos"]  # --name, else the directory's name
+            s = (await c.post("/v1/sessions", json={"prompt": PROMPT})).json()
+            gen = {"stream": False, "temperature": 0, "max_tokens": 12}
+            blob = (await c.get(f"/v1/sessions/{s['id']}/state")).content
+            fork = (await c.post(f"/v1/sessions/{s['id']}/fork")).json()
+            out = (await c.post(f"/v1/sessions/{s['id']}/generate", json=gen)).json()
+            assert out["tokens"][:4] == greedy and out["finish_reason"] == "length"
+            r = await c.post("/v1/sessions/restore", content=blob, headers={"content-type": "application/octet-stream"})
+            assert r.status_code == 201, r.text
+            for other in (r.json(), fork):
+                again = (await c.post(f"/v1/sessions/{other['id']}/generate", json=gen)).json()
+                assert again["tokens"] == out["tokens"]
+            s = (await c.post("/v1/sessions", json={"prompt": PROMPT, "model": "with-eos"})).json()
+            out = (await c.post(f"/v1/sessions/{s['id']}/generate", json=gen)).json()
+            assert out["tokens"] == greedy[:greedy.index(greedy[3]) + 1] and out["finish_reason"] == "stop"
+
+
+def test_server_refuses_a_pickled_checkpoint(tmp_path):
+    from server.runtime import Runtime
+    from server.settings import Settings
+    ref = ARCHS["mamba"]()
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
+    with pytest.raises(SystemExit, match="safetensors only"):
+        Runtime(Settings(models=[str(tmp_path)]))
