@@ -35,6 +35,8 @@ class ModelConfig:
     conv_bias: bool = field(default=True, metadata=_LATER)  # mamba: bias on conv1d
     # mamba: eps of weightless RMS norms on dt, B and C (Falcon-Mamba); 0 = no such norms
     bc_norm_eps: float = field(default=0.0, metadata=_LATER)
+    n_groups: int = field(default=1, metadata=_LATER)  # mamba2: groups of heads sharing B and C
+    dt_limit: tuple[float, ...] = field(default=(), metadata=_LATER)  # mamba2: (min, max) of delta; () = none
 
     @property
     def layer_mixers(self) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ model.safetensors.index.json) + tokenizer.json, as transformers' `save_pretraine
 Each supported architecture maps onto a ModelConfig and a renaming of the state dict's keys, so an
 imported model is an ordinary `LM`: sessions, snapshots, batching and stores need nothing else.
   MambaForCausalLM, FalconMambaForCausalLM     mixer "mamba", blocks without MLP
+  Mamba2ForCausalLM                            mixer "mamba2", blocks without MLP
 `load_checkpoint` is the one entry point: it also loads linstream's own checkpoints.
 """
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _check_low_precision(path: Path) -> None:
     # others would compute their state in bfloat16/float16 (or fail on mixed dtypes)
     cfg = hf_config(_read_json(path / "config.json")) if is_hf(path) else \
         ModelConfig.from_dict(_read_json(path / "config.json"))
-    other = sorted(set(cfg.layer_mixers) - {"mamba"})
+    other = sorted(set(cfg.layer_mixers) - {"mamba", "mamba2"})
     if other:
         raise CheckpointError(f"bfloat16/float16 weights are supported for Mamba models only; this one has {other}")
 
@@ -96,8 +97,26 @@ def hf_config(hf: dict) -> ModelConfig:
             tie_embeddings=hf.get("tie_word_embeddings", True), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
             proj_bias=hf.get("use_bias", False), conv_bias=hf.get("use_conv_bias", True),
             bc_norm_eps=hf.get("mixer_rms_eps", 1e-6) if arch == "FalconMambaForCausalLM" else 0.0)
+    if arch == "Mamba2ForCausalLM":
+        d, e = hf["hidden_size"], hf["num_heads"] * hf["head_dim"]
+        if e % d or hf.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"{arch}: num_heads * head_dim ({e}) must be a multiple of hidden_size ({d}), "
+                                  f"hidden_act silu")
+        # transformers 5 writes infinity as {"__float__": "Infinity"}, older versions as Infinity
+        lo, hi = (float(v["__float__"]) if isinstance(v, dict) else float(v)
+                  for v in hf.get("time_step_limit") or (0.0, math.inf))
+        return ModelConfig(
+            vocab_size=hf["vocab_size"], d_model=d, n_layer=hf["num_hidden_layers"], mixer="mamba2", mlp_ratio=0,
+            n_head=hf["num_heads"], n_groups=hf.get("n_groups", 1), conv_kernel=hf.get("conv_kernel", 4),
+            d_state=hf.get("state_size", 128), expand=e // d, tie_embeddings=hf.get("tie_word_embeddings", False),
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5), proj_bias=hf.get("use_bias", False),
+            conv_bias=hf.get("use_conv_bias", True),
+            # softplus is never negative: (0, inf) clamps nothing. The chunked form's cost grows with
+            # the chunk's square while its result does not depend on it: at most 64.
+            dt_limit=() if (lo, hi) == (0.0, math.inf) else (lo, hi),
+            chunk_size=min(hf.get("chunk_size", 64), 64))
     raise CheckpointError(f"architecture {arch!r} is not supported; linstream serves "
-                          "MambaForCausalLM and FalconMambaForCausalLM checkpoints")
+                          "MambaForCausalLM, FalconMambaForCausalLM and Mamba2ForCausalLM checkpoints")
 
 
 # transformers' key -> linstream's, per model_type: (pattern, replacement), first match wins
@@ -106,7 +125,7 @@ _KEYS = {
               (r"backbone\.layers\.(\d+)\.norm\.", r"blocks.\1.norm1."),
               (r"backbone\.layers\.(\d+)\.mixer\.", r"blocks.\1.mixer.")],
 }
-_KEYS["falcon_mamba"] = _KEYS["mamba"]
+_KEYS["falcon_mamba"] = _KEYS["mamba2"] = _KEYS["mamba"]
 
 
 def _rename(key: str, hf: dict) -> str:

@@ -35,6 +35,9 @@ ARCHS = {
     "falcon-mamba": lambda: transformers.FalconMambaForCausalLM(transformers.FalconMambaConfig(
         vocab_size=2048, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
         time_step_rank=4, mixer_rms_eps=1e-6, eos_token_id=7)),
+    "mamba2": lambda: transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
+        vocab_size=2048, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4, num_heads=8,
+        head_dim=8, n_groups=2, chunk_size=8, eos_token_id=7, bos_token_id=1)),
 }
 
 

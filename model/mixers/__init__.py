@@ -30,4 +30,4 @@ def build_mixer(name: str, cfg) -> nn.Module:
     return REGISTRY[name](cfg)
 
 
-from . import gla, linear, mamba, performer, retnet, rwkv, softmax  # noqa: E402,F401  (registration side effect)
+from . import gla, linear, mamba, mamba2, performer, retnet, rwkv, softmax  # noqa: E402,F401  (registration side effect)
