@@ -37,6 +37,9 @@ class ModelConfig:
     bc_norm_eps: float = field(default=0.0, metadata=_LATER)
     n_groups: int = field(default=1, metadata=_LATER)  # mamba2: groups of heads sharing B and C
     dt_limit: tuple[float, ...] = field(default=(), metadata=_LATER)  # mamba2: (min, max) of delta; () = none
+    norm: str = field(default="rms", metadata=_LATER)  # the final norm: rms | layer (LayerNorm, RWKV-4)
+    d_attn: int = field(default=0, metadata=_LATER)  # rwkv4: width of the time mix; 0 = d_model
+    d_ffn: int = field(default=0, metadata=_LATER)  # rwkv4: width of the channel mix; 0 = 4 d_model
 
     @property
     def layer_mixers(self) -> tuple[str, ...]:

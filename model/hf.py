@@ -5,6 +5,7 @@ Each supported architecture maps onto a ModelConfig and a renaming of the state 
 imported model is an ordinary `LM`: sessions, snapshots, batching and stores need nothing else.
   MambaForCausalLM, FalconMambaForCausalLM     mixer "mamba", blocks without MLP
   Mamba2ForCausalLM                            mixer "mamba2", blocks without MLP
+  RwkvForCausalLM (RWKV-4)                     mixer "rwkv4", the whole block (norms, time and channel mix)
 `load_checkpoint` is the one entry point: it also loads linstream's own checkpoints.
 """
 from __future__ import annotations
@@ -53,13 +54,14 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
 
 
 def _check_low_precision(path: Path) -> None:
-    # only the Mamba mixer keeps its recurrence in float32 under lower-precision weights; the
-    # others would compute their state in bfloat16/float16 (or fail on mixed dtypes)
+    # only the imported architectures' mixers keep their recurrence in float32 under lower-precision
+    # weights; the others would compute their state in bfloat16/float16 (or fail on mixed dtypes)
     cfg = hf_config(_read_json(path / "config.json")) if is_hf(path) else \
         ModelConfig.from_dict(_read_json(path / "config.json"))
-    other = sorted(set(cfg.layer_mixers) - {"mamba", "mamba2"})
+    other = sorted(set(cfg.layer_mixers) - {"mamba", "mamba2", "rwkv4", "rwkv4-in"})
     if other:
-        raise CheckpointError(f"bfloat16/float16 weights are supported for Mamba models only; this one has {other}")
+        raise CheckpointError(f"bfloat16/float16 weights are supported for imported Mamba, Mamba-2 and RWKV-4 "
+                              f"checkpoints only; this model has {other} mixers")
 
 
 def load_hf(path: Path) -> tuple[LM, Tokenizer]:
@@ -115,8 +117,18 @@ def hf_config(hf: dict) -> ModelConfig:
             # the chunk's square while its result does not depend on it: at most 64.
             dt_limit=() if (lo, hi) == (0.0, math.inf) else (lo, hi),
             chunk_size=min(hf.get("chunk_size", 64), 64))
-    raise CheckpointError(f"architecture {arch!r} is not supported; linstream serves "
-                          "MambaForCausalLM, FalconMambaForCausalLM and Mamba2ForCausalLM checkpoints")
+    if arch == "RwkvForCausalLM":
+        d, n = hf["hidden_size"], hf["num_hidden_layers"]
+        if hf.get("layer_norm_epsilon", 1e-5) != 1e-5:
+            # transformers' final norm (ln_out) keeps LayerNorm's default 1e-5 whatever the config says
+            raise CheckpointError(f"{arch} with layer_norm_epsilon {hf['layer_norm_epsilon']}: only 1e-5 is implemented")
+        return ModelConfig(
+            vocab_size=hf["vocab_size"], d_model=d, n_layer=n, mixer="rwkv4", layers=("rwkv4-in",) + ("rwkv4",) * (n - 1),
+            mlp_ratio=0, norm="layer", norm_eps=1e-5, d_attn=hf.get("attention_hidden_size") or d,
+            d_ffn=hf.get("intermediate_size") or 4 * d, tie_embeddings=hf.get("tie_word_embeddings", False),
+            chunk_size=16)  # the chunked form builds (b, L, L, d_attn) weights: short chunks
+    raise CheckpointError(f"architecture {arch!r} is not supported; linstream serves MambaForCausalLM, "
+                          "FalconMambaForCausalLM, Mamba2ForCausalLM and RwkvForCausalLM checkpoints")
 
 
 # transformers' key -> linstream's, per model_type: (pattern, replacement), first match wins
@@ -126,6 +138,10 @@ _KEYS = {
               (r"backbone\.layers\.(\d+)\.mixer\.", r"blocks.\1.mixer.")],
 }
 _KEYS["falcon_mamba"] = _KEYS["mamba2"] = _KEYS["mamba"]
+# transformers rescales RWKV's output/value weights by powers of two at inference (rescale_every),
+# and the hidden states to match: exact in floating point, so the saved weights are used as they are
+_KEYS["rwkv"] = [(r"rwkv\.embeddings\.", "embed."), (r"rwkv\.ln_out\.", "norm."), (r"head\.", "head."),
+                 (r"rwkv\.blocks\.(\d+)\.", r"blocks.\1.mixer.")]
 
 
 def _rename(key: str, hf: dict) -> str:

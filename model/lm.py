@@ -41,14 +41,14 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, mixer: str):
         super().__init__()
-        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = build_mixer(mixer, cfg)
+        self.norm1 = None if getattr(self.mixer, "owns_norms", False) else RMSNorm(cfg.d_model, cfg.norm_eps)
         # mlp_ratio 0: no MLP, as in Mamba checkpoints, whose blocks are norm + mixer alone
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp_ratio else None
         self.mlp = MLP(cfg.d_model, cfg.mlp_ratio) if cfg.mlp_ratio else None
 
     def forward(self, x, state, pos, form: str):
-        y, state = getattr(self.mixer, form)(self.norm1(x), state, pos)
+        y, state = getattr(self.mixer, form)(x if self.norm1 is None else self.norm1(x), state, pos)
         x = x + y
         return (x if self.mlp is None else x + self.mlp(self.norm2(x))), state
 
@@ -59,7 +59,7 @@ class LM(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, m) for m in cfg.layer_mixers)
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.norm == "layer" else RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
         if cfg.tie_embeddings:

@@ -38,6 +38,9 @@ ARCHS = {
     "mamba2": lambda: transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
         vocab_size=2048, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4, num_heads=8,
         head_dim=8, n_groups=2, chunk_size=8, eos_token_id=7, bos_token_id=1)),
+    "rwkv4": lambda: transformers.RwkvForCausalLM(transformers.RwkvConfig(
+        vocab_size=2048, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=48,
+        rescale_every=0, eos_token_id=7, bos_token_id=1)),
 }
 
 
@@ -244,3 +247,24 @@ def test_server_refuses_a_pickled_checkpoint(tmp_path):
     (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
     with pytest.raises(SystemExit, match="safetensors only"):
         Runtime(Settings(models=[str(tmp_path)]))
+
+
+@torch.no_grad()
+def test_rwkv_rescaled_at_inference(tmp_path):
+    """transformers halves RWKV's hidden state every `rescale_every` blocks at inference (and divides
+    the weights to match); linstream does not. Exact but for LayerNorm's eps, now added to the
+    variance of a state 2^k times smaller: measured 9e-5 here over three blocks scaled by 1, 2, 4,
+    hence 1e-3 (a real checkpoint has rescale_every 6 and states of larger variance)."""
+    torch.manual_seed(0)
+    ref = transformers.RwkvForCausalLM(transformers.RwkvConfig(
+        vocab_size=2048, hidden_size=32, num_hidden_layers=3, attention_hidden_size=32, intermediate_size=64,
+        rescale_every=1, eos_token_id=7)).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    model, _ = load_checkpoint(save_hf(ref, tmp_path / "rwkv"))  # saved before transformers rescales
+    ids = torch.tensor([PROMPTS[0]])
+    got, _ = model(ids, model.init_state(1))
+    assert ref.rwkv.layers_are_rescaled is False
+    want = ref(ids).logits
+    assert ref.rwkv.layers_are_rescaled is True and (got - want).abs().max() < 1e-3
