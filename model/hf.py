@@ -50,6 +50,10 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
         model, tok = load_hf(path)
     else:
         model, tok = LM.load(path), Tokenizer(path / "tokenizer.json")
+    # the fingerprint names the checkpoint, taken before the cast: a snapshot moves between servers
+    # of one checkpoint on any device or dtype (their states are all float32) and continues
+    # within the lower precision's tolerance
+    model.fingerprint
     return model.to(device=device, dtype=DTYPES[dtype]).eval(), tok
 
 

@@ -121,7 +121,7 @@ class LM(nn.Module):
             h = hashlib.sha256(self.cfg.to_json().encode())
             for name, t in sorted(self.state_dict().items()):
                 h.update(name.encode())
-                h.update(t.detach().cpu().contiguous().numpy().tobytes())
+                h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             self._fingerprint = h.hexdigest()[:32]
         return self._fingerprint
 

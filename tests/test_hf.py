@@ -172,6 +172,13 @@ def test_bfloat16_weights_keep_float32_state(arch, tmp_path):
     got, state = low(ids, low.init_state(1))
     assert all(t.dtype == torch.float32 for layer in state.layers for t in layer.values())
     assert got.dtype == torch.float32 and (got - want).abs().max() < 0.02 * want.abs().max()
+    # one checkpoint, one fingerprint: a float32 server's snapshot restores here and continues
+    assert low.fingerprint == model.fingerprint
+    _, f32_state = model(ids, model.init_state(1))
+    moved = State.from_bytes(f32_state.to_bytes(model.fingerprint), low.init_state(1), low.fingerprint)
+    a, _ = low.step(torch.tensor([3]), moved)
+    b, _ = model.step(torch.tensor([3]), f32_state)
+    assert (a - b).abs().max() < 0.02 * b.abs().max()
     step, state = low.step(torch.tensor([3]), state)
     assert step.dtype == torch.float32 and all(t.dtype == torch.float32 for t in state.layers[0].values())
 
@@ -268,3 +275,45 @@ def test_rwkv_rescaled_at_inference(tmp_path):
     assert ref.rwkv.layers_are_rescaled is False
     want = ref(ids).logits
     assert ref.rwkv.layers_are_rescaled is True and (got - want).abs().max() < 1e-3
+
+
+def test_sharded_checkpoint_loads_like_one_file(tmp_path):
+    ref = perturbed("mamba", 0.3)
+    one, _ = load_checkpoint(save_hf(ref, tmp_path / "one"))
+    ref.save_pretrained(tmp_path / "shards", safe_serialization=True, max_shard_size="20KB")
+    assert (tmp_path / "shards" / "model.safetensors.index.json").is_file()
+    shutil.copy(TOKENIZER, tmp_path / "shards" / "tokenizer.json")
+    sharded, _ = load_checkpoint(tmp_path / "shards")
+    assert sharded.fingerprint == one.fingerprint
+
+
+def test_low_precision_is_refused_where_the_state_would_not_stay_float32():
+    from server.settings import WEIGHTS
+    with pytest.raises(CheckpointError, match="imported Mamba"):
+        load_checkpoint(WEIGHTS / "linear", dtype="bfloat16")
+    with pytest.raises(CheckpointError, match="dtype"):
+        load_checkpoint(WEIGHTS / "linear", dtype="float64")
+
+
+@pytest.mark.slow
+def test_cli_serves_a_bfloat16_checkpoint_under_its_given_name(hf_dirs):
+    """`linstream serve -m DIR --name N --dtype bfloat16` over a socket: the name, a session, a
+    greedy generation, and a restored snapshot that continues exactly."""
+    import httpx
+
+    from .helpers import ServerProcess
+    first, _, _ = hf_dirs
+    srv = ServerProcess([str(first)], None, "--name", "tiny", "--dtype", "bfloat16", "--device", "cpu")
+    try:
+        c = httpx.Client(base_url=srv.url, timeout=30)
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny"]
+        s = c.post("/v1/sessions", json={"prompt": PROMPT}).json()
+        assert s["model"] == "tiny"
+        blob = c.get(f"/v1/sessions/{s['id']}/state").content
+        gen = {"stream": False, "temperature": 0, "max_tokens": 8}
+        out = c.post(f"/v1/sessions/{s['id']}/generate", json=gen).json()
+        r = c.post("/v1/sessions/restore", content=blob, headers={"content-type": "application/octet-stream"})
+        again = c.post(f"/v1/sessions/{r.json()['id']}/generate", json=gen).json()
+        assert len(out["tokens"]) == 8 and again["tokens"] == out["tokens"]
+    finally:
+        srv.stop()
