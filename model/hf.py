@@ -45,7 +45,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r}; use one of {sorted(DTYPES)}")
     if dtype != "float32":
-        _check_low_precision(path)
+        _check_low_precision(path, dtype)
     if is_hf(path):
         model, tok = load_hf(path)
     else:
@@ -57,15 +57,19 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
     return model.to(device=device, dtype=DTYPES[dtype]).eval(), tok
 
 
-def _check_low_precision(path: Path) -> None:
+def _check_low_precision(path: Path, dtype: str) -> None:
     # only the imported architectures' mixers keep their recurrence in float32 under lower-precision
     # weights; the others would compute their state in bfloat16/float16 (or fail on mixed dtypes)
     cfg = hf_config(_read_json(path / "config.json")) if is_hf(path) else \
         ModelConfig.from_dict(_read_json(path / "config.json"))
     other = sorted(set(cfg.layer_mixers) - {"mamba", "mamba2", "rwkv4", "rwkv4-in"})
     if other:
-        raise CheckpointError(f"bfloat16/float16 weights are supported for imported Mamba, Mamba-2 and RWKV-4 "
-                              f"checkpoints only; this model has {other} mixers")
+        raise CheckpointError(f"bfloat16/float16 weights are supported for Mamba, Mamba-2 and RWKV-4 mixers "
+                              f"only; this model has {other}")
+    if dtype == "float16" and "rwkv4" in cfg.layer_mixers:
+        # RWKV-4's residual stream outgrows float16's range in deep models; transformers halves it
+        # every few blocks for that (rescale_every), which linstream does not do
+        raise CheckpointError("float16 is not supported for RWKV-4 (its hidden state overflows); use bfloat16")
 
 
 def load_hf(path: Path) -> tuple[LM, Tokenizer]:
@@ -82,12 +86,24 @@ def load_hf(path: Path) -> tuple[LM, Tokenizer]:
         raise CheckpointError(f"{path}: weights do not match {hf['architectures'][0]} of this config: "
                               f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     tok = Tokenizer(path / "tokenizer.json", vocab_size=cfg.vocab_size)
+    if tok.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{path}: tokenizer.json has ids up to {tok.vocab_size - 1}, beyond the "
+                              f"model's vocabulary of {cfg.vocab_size}")
     tok.eos_ids, tok.bos_id = _special_ids(path, hf, tok)
     return model.eval(), tok
 
 
 def hf_config(hf: dict) -> ModelConfig:
     """transformers' config.json -> ModelConfig, refusing what linstream does not compute."""
+    try:
+        return _hf_config(hf)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"config.json lacks or garbles a field its architecture needs: {e!r}") from None
+
+
+def _hf_config(hf: dict) -> ModelConfig:
     arch = (hf.get("architectures") or ["?"])[0]
     if arch in ("MambaForCausalLM", "FalconMambaForCausalLM"):
         d = hf["hidden_size"]
@@ -135,21 +151,24 @@ def hf_config(hf: dict) -> ModelConfig:
                           "FalconMambaForCausalLM, Mamba2ForCausalLM and RwkvForCausalLM checkpoints")
 
 
-# transformers' key -> linstream's, per model_type: (pattern, replacement), first match wins
+# transformers' key -> linstream's, per architecture: (pattern, replacement), first match wins
 _KEYS = {
-    "mamba": [(r"backbone\.embeddings\.", "embed."), (r"backbone\.norm_f\.", "norm."), (r"lm_head\.", "head."),
-              (r"backbone\.layers\.(\d+)\.norm\.", r"blocks.\1.norm1."),
-              (r"backbone\.layers\.(\d+)\.mixer\.", r"blocks.\1.mixer.")],
+    "MambaForCausalLM": [
+        (r"backbone\.embeddings\.", "embed."), (r"backbone\.norm_f\.", "norm."), (r"lm_head\.", "head."),
+        (r"backbone\.layers\.(\d+)\.norm\.", r"blocks.\1.norm1."),
+        (r"backbone\.layers\.(\d+)\.mixer\.", r"blocks.\1.mixer.")],
+    # transformers divides RWKV's output/value weights by powers of two at inference (rescale_every)
+    # and halves the hidden state to match: the same function but for LayerNorm's eps, so the
+    # saved weights are used as they are (tests/test_hf.py measures the difference)
+    "RwkvForCausalLM": [
+        (r"rwkv\.embeddings\.", "embed."), (r"rwkv\.ln_out\.", "norm."), (r"head\.", "head."),
+        (r"rwkv\.blocks\.(\d+)\.", r"blocks.\1.mixer.")],
 }
-_KEYS["falcon_mamba"] = _KEYS["mamba2"] = _KEYS["mamba"]
-# transformers rescales RWKV's output/value weights by powers of two at inference (rescale_every),
-# and the hidden states to match: exact in floating point, so the saved weights are used as they are
-_KEYS["rwkv"] = [(r"rwkv\.embeddings\.", "embed."), (r"rwkv\.ln_out\.", "norm."), (r"head\.", "head."),
-                 (r"rwkv\.blocks\.(\d+)\.", r"blocks.\1.mixer.")]
+_KEYS["FalconMambaForCausalLM"] = _KEYS["Mamba2ForCausalLM"] = _KEYS["MambaForCausalLM"]
 
 
 def _rename(key: str, hf: dict) -> str:
-    for pattern, repl in _KEYS[hf["model_type"]]:
+    for pattern, repl in _KEYS[hf["architectures"][0]]:
         new, n = re.subn("^" + pattern, repl, key)
         if n:
             return new

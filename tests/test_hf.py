@@ -150,9 +150,20 @@ def test_pickled_checkpoint_is_refused_with_the_way_out(tmp_path):
         load_checkpoint(tmp_path)
 
 
-def test_unsupported_architecture_is_named(tmp_path):
+def test_unsupported_architecture_or_broken_config_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     with pytest.raises(CheckpointError, match="LlamaForCausalLM"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"], "vocab_size": 2048}))
+    with pytest.raises(CheckpointError, match="hidden_size"):
+        load_checkpoint(tmp_path)
+
+
+def test_tokenizer_beyond_the_vocabulary_is_refused(tmp_path):
+    cfg = mamba_config()
+    cfg.vocab_size = 1000  # the shipped tokenizer has 2048 tokens
+    save_hf(transformers.MambaForCausalLM(cfg), tmp_path)
+    with pytest.raises(CheckpointError, match="beyond"):
         load_checkpoint(tmp_path)
 
 
@@ -287,10 +298,12 @@ def test_sharded_checkpoint_loads_like_one_file(tmp_path):
     assert sharded.fingerprint == one.fingerprint
 
 
-def test_low_precision_is_refused_where_the_state_would_not_stay_float32():
+def test_low_precision_is_refused_where_the_state_would_not_stay_float32(tmp_path):
     from server.settings import WEIGHTS
-    with pytest.raises(CheckpointError, match="imported Mamba"):
+    with pytest.raises(CheckpointError, match=r"Mamba, Mamba-2 and RWKV-4 mixers only; this model has \['linear'\]"):
         load_checkpoint(WEIGHTS / "linear", dtype="bfloat16")
+    with pytest.raises(CheckpointError, match="float16 is not supported for RWKV-4"):
+        load_checkpoint(save_hf(ARCHS["rwkv4"](), tmp_path / "rwkv"), dtype="float16")
     with pytest.raises(CheckpointError, match="dtype"):
         load_checkpoint(WEIGHTS / "linear", dtype="float64")
 
