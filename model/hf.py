@@ -46,6 +46,11 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
         raise CheckpointError(f"dtype {dtype!r}; use one of {sorted(DTYPES)}")
     if dtype != "float32":
         _check_low_precision(path, dtype)
+    if device != "cpu":
+        index = int(device.partition(":")[2] or 0)
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise CheckpointError(f"device {device!r}: no such CUDA device here "
+                                  f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} visible)")
     if is_hf(path):
         model, tok = load_hf(path)
     else:

@@ -194,6 +194,13 @@ def test_bfloat16_weights_keep_float32_state(arch, tmp_path):
     assert step.dtype == torch.float32 and all(t.dtype == torch.float32 for t in state.layers[0].values())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_missing_cuda_device_is_named(tmp_path):
+    out = save_hf(ARCHS["mamba"](), tmp_path / "m")
+    with pytest.raises(CheckpointError, match="no such CUDA device"):
+        load_checkpoint(out, device="cuda:0")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @torch.no_grad()
 def test_cuda_matches_cpu(pair):
