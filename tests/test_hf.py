@@ -93,10 +93,14 @@ def test_naive_chunked_step_share_one_state(pair):
     ids = torch.tensor([PROMPTS[0], PROMPTS[0][::-1]])
     a, sa = model(ids, model.init_state(2))
     b, sb = model(ids, model.init_state(2), form="naive")
-    assert (a - b).abs().max() < TOL
-    for la, lb in zip(sa.layers, sb.layers):
+    sc, steps = model.init_state(2), []
+    for t in ids.unbind(1):
+        logits, sc = model.step(t, sc)
+        steps.append(logits)
+    assert (a - b).abs().max() < TOL and (a - torch.stack(steps, 1)).abs().max() < TOL
+    for la, lb, lc in zip(sa.layers, sb.layers, sc.layers):
         for n in la:
-            assert (la[n] - lb[n]).abs().max() < TOL, n
+            assert (la[n] - lb[n]).abs().max() < TOL and (la[n] - lc[n]).abs().max() < TOL, n
 
 
 @torch.no_grad()
