@@ -37,9 +37,9 @@ def over_http(c: Client, model: str, n: int, m: int, vocab: int) -> dict:
 
 def in_process(weights: Path, model_name: str, n: int, m: int) -> dict:
     from model.bench import state_at, time_steps
-    from model.lm import LM
-    if model_name not in _cache:
-        _cache[model_name] = LM.load(weights / model_name)
+    from model.hf import load_checkpoint
+    if model_name not in _cache:  # linstream's own checkpoints or imported (HF-format) ones alike
+        _cache[model_name] = load_checkpoint(weights / model_name)[0]
     lm = _cache[model_name]
     ts = time_steps(lm, state_at(lm, n), m)
     return {"ms_median": 1000 * statistics.median(ts), "ms_p99": 1000 * pct(ts, 0.99)}

@@ -17,6 +17,11 @@ def root():
 def serve(
     model: Annotated[Optional[list[str]], typer.Option(
         "--model", "-m", help="model name or checkpoint dir; repeat to serve several (first = default)")] = None,
+    name: Annotated[Optional[list[str]], typer.Option(
+        help="the API's name for the model given by the same-numbered --model (default: its directory's name)")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cpu | cuda | cuda:N [env LINSTREAM_DEVICE]")] = None,
+    dtype: Annotated[Optional[str], typer.Option(
+        help="weights' dtype: float32 | bfloat16 | float16 (imported checkpoints); states stay float32")] = None,
     host: Annotated[Optional[str], typer.Option(help="bind address [env LINSTREAM_HOST]")] = None,
     port: Annotated[Optional[int], typer.Option(help="port [env LINSTREAM_PORT]")] = None,
     max_sessions: Annotated[Optional[int], typer.Option(help="sessions in memory per recurrent model")] = None,
@@ -44,7 +49,7 @@ def serve(
     from server.settings import Settings
     given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
              "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl,
-             "max_connections": max_connections}
+             "max_connections": max_connections, "names": name, "device": device, "dtype": dtype}
     settings = Settings(**{k: v for k, v in given.items() if v is not None and v != []})
     app = create_app(settings)
 

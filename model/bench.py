@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .generate import decode, prefill
+from .hf import load_checkpoint
 from .lm import LM
 from .state import State
 
@@ -103,7 +104,7 @@ def main(argv=None):
     results = []
     for name in a.models:
         path = Path(name) if Path(name).is_dir() else WEIGHTS / name
-        results.append(bench_model(path.name, LM.load(path), a.positions, a.batches, a.steps,
+        results.append(bench_model(path.name, load_checkpoint(path)[0], a.positions, a.batches, a.steps,
                                    int(a.mem_limit_gib * 2**30), a.prefill))
     summary = _summary(results)
     print(table(results))

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+# Fields added after the first checkpoints were trained are written to the config JSON only when
+# they differ from their default: an older checkpoint's config, and so its fingerprint, stay as
+# they were.
+_LATER = {"omit_default": True}
 
 
 @dataclass(frozen=True)
@@ -25,13 +30,27 @@ class ModelConfig:
     dt_rank: int = 16  # mamba: rank of the Delta projection
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
+    # what imported checkpoints (model/hf.py) need; mlp_ratio 0 above means blocks without an MLP
+    proj_bias: bool = field(default=False, metadata=_LATER)  # mamba: bias on in_proj/out_proj
+    conv_bias: bool = field(default=True, metadata=_LATER)  # mamba: bias on conv1d
+    # mamba: eps of weightless RMS norms on dt, B and C (Falcon-Mamba); 0 = no such norms
+    bc_norm_eps: float = field(default=0.0, metadata=_LATER)
+    n_groups: int = field(default=1, metadata=_LATER)  # mamba2: groups of heads sharing B and C
+    dt_limit: tuple[float, ...] = field(default=(), metadata=_LATER)  # mamba2: (min, max) of delta; () = none
+    norm: str = field(default="rms", metadata=_LATER)  # the final norm: rms | layer (LayerNorm, RWKV-4)
+    d_attn: int = field(default=0, metadata=_LATER)  # rwkv4: width of the time mix; 0 = d_model
+    d_ffn: int = field(default=0, metadata=_LATER)  # rwkv4: width of the channel mix; 0 = 4 d_model
 
     @property
     def layer_mixers(self) -> tuple[str, ...]:
         return self.layers or (self.mixer,) * self.n_layer
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        d = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.metadata.get("omit_default") and d[f.name] == f.default:
+                del d[f.name]
+        return json.dumps(d, sort_keys=True)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":

@@ -41,14 +41,16 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, mixer: str):
         super().__init__()
-        self.norm1, self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps), RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = build_mixer(mixer, cfg)
-        self.mlp = MLP(cfg.d_model, cfg.mlp_ratio)
+        self.norm1 = None if getattr(self.mixer, "owns_norms", False) else RMSNorm(cfg.d_model, cfg.norm_eps)
+        # mlp_ratio 0: no MLP, as in Mamba checkpoints, whose blocks are norm + mixer alone
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp_ratio else None
+        self.mlp = MLP(cfg.d_model, cfg.mlp_ratio) if cfg.mlp_ratio else None
 
     def forward(self, x, state, pos, form: str):
-        y, state = getattr(self.mixer, form)(self.norm1(x), state, pos)
+        y, state = getattr(self.mixer, form)(x if self.norm1 is None else self.norm1(x), state, pos)
         x = x + y
-        return x + self.mlp(self.norm2(x)), state
+        return (x if self.mlp is None else x + self.mlp(self.norm2(x))), state
 
 
 class LM(nn.Module):
@@ -57,7 +59,7 @@ class LM(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, m) for m in cfg.layer_mixers)
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.norm == "layer" else RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
         if cfg.tie_embeddings:
@@ -73,7 +75,10 @@ class LM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def init_state(self, batch: int = 1) -> State:
-        dev, dt = self.embed.weight.device, self.embed.weight.dtype
+        # float32 whatever the weights' dtype: a recurrent state is a running sum over the whole
+        # context, and bfloat16's 8-bit mantissa drops increments below 1/256 of it (the mixers
+        # that run in lower precision carry their recurrence out in float32, see mamba.py)
+        dev, dt = self.embed.weight.device, torch.float32
         return State([b.mixer.init_state(batch, dev, dt) for b in self.blocks],
                      torch.zeros(batch, dtype=torch.long, device=dev),
                      [dict(b.mixer.time_dims) for b in self.blocks],
@@ -82,13 +87,13 @@ class LM(nn.Module):
     def forward(self, tokens: Tensor, state: State | None = None, form: str = "forward"):
         """tokens (B, T). form 'forward' is the chunked/parallel path; 'naive' the token loop.
         With state=None the pass starts from zero and returns no state (training)."""
-        x = self.embed(tokens)  # (B, T, D)
+        x = self.embed(tokens.to(self.embed.weight.device))  # (B, T, D)
         pos = None if state is None else state.position
         new = []
         for i, block in enumerate(self.blocks):
             x, s = block(x, None if state is None else state.layers[i], pos, form)
             new.append(s)
-        logits = self.head(self.norm(x))  # (B, T, V)
+        logits = self.head(self.norm(x)).float()  # (B, T, V); sampled in float32 whatever the weights
         if state is None:
             return logits, None
         if tokens.shape[1] == 0:
@@ -100,12 +105,12 @@ class LM(nn.Module):
         tensors are updated where they lie (the recurrent mixers' S/z, the KV caches) and returned
         in the new State: decoding makes no state-sized temporaries. Keep a copy (State.clone)
         to step from the same state twice."""
-        x = self.embed(tokens)  # (B, D)
+        x = self.embed(tokens.to(self.embed.weight.device))  # (B, D)
         new = []
         for i, block in enumerate(self.blocks):
             x, s = block(x, state.layers[i], state.position, "step")
             new.append(s)
-        logits = self.head(self.norm(x))
+        logits = self.head(self.norm(x)).float()
         return logits, State(new, state.position + 1, state.time_dims, logits)
 
     # ---- identity and checkpoints --------------------------------------------------------
@@ -116,7 +121,7 @@ class LM(nn.Module):
             h = hashlib.sha256(self.cfg.to_json().encode())
             for name, t in sorted(self.state_dict().items()):
                 h.update(name.encode())
-                h.update(t.detach().cpu().contiguous().numpy().tobytes())
+                h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             self._fingerprint = h.hexdigest()[:32]
         return self._fingerprint
 

@@ -52,13 +52,14 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
     greedy = logits.argmax(-1)
     if all(p.temperature == 0 for p in params):
         return greedy
-    temp = torch.tensor([p.temperature or 1.0 for p in params])
-    probs = logits_to_probs(logits, temp, torch.tensor([p.top_k for p in params]),
-                            torch.tensor([p.top_p for p in params], dtype=torch.float32))
-    u = torch.cat([torch.rand(1, generator=g) for g in generators])  # (B,)
+    dev = logits.device
+    temp = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
+    probs = logits_to_probs(logits, temp, torch.tensor([p.top_k for p in params], device=dev),
+                            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev))
+    u = torch.cat([torch.rand(1, generator=g) for g in generators]).to(dev)  # (B,), drawn on the host's generators
     cdf = probs.cumsum(-1)
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1).clamp(max=logits.shape[-1] - 1)
-    is_greedy = torch.tensor([p.temperature == 0 for p in params])
+    is_greedy = torch.tensor([p.temperature == 0 for p in params], device=dev)
     return torch.where(is_greedy, greedy, drawn)
 
 

@@ -129,6 +129,7 @@ class State:
         for i, (mine, theirs) in enumerate(zip(self.layers, other.layers)):
             for n, src in theirs.items():
                 dst = mine[n]
+                src = src.to(dst.device)  # a state read from a blob (host) into a pool on a GPU
                 if src.data_ptr() == dst[rows[0]].data_ptr() and src.shape[1:] == dst.shape[1:]:
                     continue  # a view of these very rows, already written in place
                 d = self.time_dims[i].get(n)
@@ -140,9 +141,9 @@ class State:
                     dst.index_copy_(0, idx, src)
                 else:
                     dst.narrow(d, 0, src.shape[d])[idx] = src
-        self.position.index_copy_(0, idx, other.position)
+        self.position.index_copy_(0, idx, other.position.to(idx.device))
         if other.next_logits.data_ptr() != self.next_logits[rows[0]].data_ptr():
-            self.next_logits.index_copy_(0, idx, other.next_logits)
+            self.next_logits.index_copy_(0, idx, other.next_logits.to(idx.device))
 
     def nonfinite(self) -> str | None:
         """The name of a tensor holding NaN or Inf (KV caches counted up to each row's position), else None."""
@@ -171,9 +172,9 @@ class State:
     def to_bytes(self, fingerprint: str, extra: dict[str, Tensor] | None = None) -> bytes:
         """One session's state as a safetensors blob with a self-describing header. `extra`
         tensors (e.g. the server's token history) travel along as `extra.<name>`."""
-        s = self.compact()
-        tensors = {f"layers.{i}.{n}": t.contiguous() for i, layer in enumerate(s.layers) for n, t in layer.items()}
-        tensors["next_logits"] = s.next_logits.contiguous()
+        s = self.compact()  # a blob is read on the host, whatever device the state lives on
+        tensors = {f"layers.{i}.{n}": t.contiguous().cpu() for i, layer in enumerate(s.layers) for n, t in layer.items()}
+        tensors["next_logits"] = s.next_logits.contiguous().cpu()
         tensors.update({f"extra.{k}": v.contiguous() for k, v in (extra or {}).items()})
         meta = {"format": FORMAT, "version": str(VERSION), "fingerprint": fingerprint,
                 "position": str(int(s.position[0])), "dtype": str(next(iter(tensors.values())).dtype),

@@ -33,13 +33,25 @@ def byte_alphabet() -> dict[str, int]:
 
 
 class Tokenizer:
-    def __init__(self, path: str | Path):
+    """`vocab_size` pads the table to a model whose embedding has more rows than the tokenizer has
+    tokens (imported checkpoints round it up); such ids and special tokens decode to no bytes."""
+    eos_ids: frozenset[int] = frozenset()  # generation stops at any of these (imported checkpoints)
+    bos_id: int | None = None
+
+    def __init__(self, path: str | Path, vocab_size: int | None = None):
         self.hf = HFTokenizer.from_file(str(path))
         alpha = byte_alphabet()
         vocab = self.hf.get_vocab()
-        self.vocab_size = len(vocab)
+        added = self.hf.get_added_tokens_decoder()  # id -> AddedToken: literal text, not byte-mapped
+        self.vocab_size = max(len(vocab), max(vocab.values(), default=-1) + 1, vocab_size or 0)
         self.token_bytes: list[bytes] = [b""] * self.vocab_size
         for piece, i in vocab.items():
+            if i in added:
+                self.token_bytes[i] = b"" if added[i].special else added[i].content.encode()
+                continue
+            if any(c not in alpha for c in piece):
+                raise ValueError(f"{path}: token {piece!r} is not byte-level BPE; only byte-level "
+                                 "tokenizers (GPT-2/NeoX style) are supported")
             self.token_bytes[i] = bytes(alpha[c] for c in piece)
 
     def encode(self, text: str) -> list[int]:

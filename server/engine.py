@@ -366,7 +366,7 @@ class Engine:
         """Account for the sampled token t and build its event."""
         dec, stop = self.decoders.setdefault(id(j), (self.tok.decoder(), StopMatcher(j.params.stop)))
         text, stopped = stop.feed(dec.feed(t))
-        if stopped:
+        if stopped or t in self.tok.eos_ids:
             j.finish = "stop"
         elif j.emitted + 1 >= j.params.max_tokens:
             j.finish = "length"

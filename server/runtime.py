@@ -23,11 +23,10 @@ from contextlib import asynccontextmanager
 import torch
 
 from model.generate import first_step_nonfinite
-from model.lm import LM
+from model.hf import CheckpointError, load_checkpoint
 from model.sampling import SamplingParams
 from model.state import (SnapshotError, SnapshotHistoryMismatch, SnapshotModelMismatch, SnapshotOutOfRange, State,
                          blob_fingerprint, check_history, load_session)
-from model.tokenizer import Tokenizer
 
 from .auth import Keys, load_keys
 from .engine import Engine, Job, NonFiniteState
@@ -61,15 +60,21 @@ class Runtime:
         self.leases = Leases(settings.store, settings.replica_lease) if settings.store.startswith(("redis", "unix")) else None
         if settings.threads:
             torch.set_num_threads(settings.threads)
-        for name in settings.models:
+        for i, name in enumerate(settings.models):
             path = settings.checkpoint(name)
             if not (path / "config.json").is_file():
                 raise SystemExit(f"no checkpoint for model {name!r} at {path}")
-            model, tok = LM.load(path), Tokenizer(path / "tokenizer.json")
+            try:
+                model, tok = load_checkpoint(path, settings.device, settings.dtype)
+            except (CheckpointError, ValueError) as e:
+                raise SystemExit(f"cannot serve {path}: {e}") from None
+            served = settings.names[i] if i < len(settings.names) else path.name
+            if served in self.engines:
+                raise SystemExit(f"two models named {served!r}: give one another name with --name")
             kv = any(b.mixer.time_dims for b in model.blocks)
             slots = settings.max_kv_sessions if kv else settings.max_sessions
-            self.engines[path.name] = Engine(path.name, model, tok, slots, settings.prefill_chunk,
-                                             settings.max_batch, self.metrics, settings.lookahead)
+            self.engines[served] = Engine(served, model, tok, slots, settings.prefill_chunk,
+                                          settings.max_batch, self.metrics, settings.lookahead)
         self.default = next(iter(self.engines))
 
     def start(self):

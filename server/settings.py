@@ -1,6 +1,7 @@
 """Server settings: one pydantic-settings class; environment LINSTREAM_*, overridden by the CLI."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pydantic import Field, model_validator
@@ -16,6 +17,12 @@ class Settings(BaseSettings):
     port: int = 8000
     # model names (directories under model/weights) or checkpoint paths; the first is the default
     models: list[str] = Field(default_factory=lambda: ["linear"])
+    # the API's names for those models, in order; a model without one is named after its directory
+    names: list[str] = Field(default_factory=list)
+    device: str = "cpu"  # cpu | cuda | cuda:N: where weights and session states live
+    # weights' dtype: float32 | bfloat16 | float16 (the latter two for Mamba models); session
+    # states stay float32 whatever it is (see model/lm.py LM.init_state)
+    dtype: str = "float32"
     max_sessions: int = 1024  # recurrent models: sessions held in memory (state slots)
     max_kv_sessions: int = 4  # KV-cache models: every slot's cache grows to the longest context held
     max_prompt_tokens: int = 65536  # per create/push/completion request
@@ -56,6 +63,12 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _derived(self) -> "Settings":
+        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
+            raise ValueError(f"device {self.device!r}: use cpu, cuda or cuda:N")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {self.dtype!r}: use float32, bfloat16 or float16")
+        if len(self.names) > len(self.models):
+            raise ValueError(f"{len(self.names)} names for {len(self.models)} models")
         if not self.max_prompt_bytes:
             self.max_prompt_bytes = 16 * self.max_prompt_tokens
         return self

@@ -38,6 +38,7 @@ def assert_state_of(model, state, tokens):
 
 class Tok:  # the tiny models' 64 ids as single letters
     token_bytes = [bytes([65 + i % 26]) for i in range(64)]
+    eos_ids = frozenset()
 
     def decoder(self):
         from model.tokenizer import IncrementalDecoder

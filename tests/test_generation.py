@@ -64,6 +64,7 @@ def test_generation_respects_max_tokens_and_seed(tiny):
 
     class Tok:  # a stand-in vocabulary for the tiny model's 64 ids
         token_bytes = [bytes([65 + i % 26]) for i in range(64)]
+        eos_ids = frozenset()
         decoder = lambda self: __import__("model.tokenizer", fromlist=["IncrementalDecoder"]).IncrementalDecoder(self)  # noqa: E731
     params = SamplingParams(max_tokens=9, temperature=0.9, seed=3)
     a = [e.token for e in Generation(tiny, Tok(), s.clone(), params)]

@@ -7,6 +7,8 @@ Every mixer is an `nn.Module` with
   naive(x, state, pos) -> (y, state)      the token-loop reference the tests hold the others to
 `state=None` in `forward` means "from zero and do not return a state" (training).
 `pos` (B,) int64 is each row's position before these tokens; only position-aware mixers read it.
+`owns_norms = True`: the mixer is the whole block, norms included (RWKV-4); the LM adds its output
+to the residual stream and applies no norm before it.
 `time_dims` names state tensors that grow with the sequence (the KV cache) and the dim they grow on.
 """
 from __future__ import annotations
@@ -30,4 +32,4 @@ def build_mixer(name: str, cfg) -> nn.Module:
     return REGISTRY[name](cfg)
 
 
-from . import gla, linear, mamba, performer, retnet, rwkv, softmax  # noqa: E402,F401  (registration side effect)
+from . import gla, linear, mamba, mamba2, performer, retnet, rwkv, rwkv4, softmax  # noqa: E402,F401  (registration side effect)

@@ -11,7 +11,10 @@ Dimension glossary: b batch, l time, d d_model, e d_inner = expand * d, n d_stat
     out = out_proj(y * silu(z))
 Parameter names follow transformers' MambaMixer (in_proj, conv1d, x_proj, dt_proj, A_log, D,
 out_proj) so real checkpoints map onto it without renaming.
-State: h (b, e, n) and the conv tail (b, W-1, e).
+State: h (b, e, n) and the conv tail (b, W-1, e), float32 whatever the weights' dtype: the
+projections run in the weights' dtype, the convolution and the scan in float32 (as transformers'
+MambaMixer does), so a bfloat16 model's state accumulates without rounding.
+Falcon-Mamba (cfg.bc_norm_eps > 0) adds weightless RMS norms on dt, B and C after x_proj.
 
 The scan's decay differs per (channel, state) pair, so a chunked closed form needs exp of
 cumulative sums that overflow float32 for long chunks; the prefill form therefore computes every
@@ -61,14 +64,14 @@ class Mamba(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         d, e, n, r = cfg.d_model, cfg.expand * cfg.d_model, cfg.d_state, cfg.dt_rank
-        self.e, self.n, self.r = e, n, r
-        self.in_proj = nn.Linear(d, 2 * e, bias=False)
-        self.conv1d = nn.Conv1d(e, e, cfg.conv_kernel, groups=e, bias=True)
+        self.e, self.n, self.r, self.bc_norm_eps = e, n, r, cfg.bc_norm_eps
+        self.in_proj = nn.Linear(d, 2 * e, bias=cfg.proj_bias)
+        self.conv1d = nn.Conv1d(e, e, cfg.conv_kernel, groups=e, bias=cfg.conv_bias)
         self.x_proj = nn.Linear(e, r + 2 * n, bias=False)
         self.dt_proj = nn.Linear(r, e, bias=True)
         self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(e, 1))
         self.D = nn.Parameter(torch.ones(e))
-        self.out_proj = nn.Linear(e, d, bias=False)
+        self.out_proj = nn.Linear(e, d, bias=cfg.proj_bias)
         # Delta initialised log-uniform in [1e-3, 1e-1] through the inverse softplus (paper, sec. 3.6)
         with torch.no_grad():
             nn.init.uniform_(self.dt_proj.weight, -r ** -0.5, r ** -0.5)
@@ -80,36 +83,42 @@ class Mamba(nn.Module):
         return {"h": torch.zeros(batch, self.e, self.n, device=device, dtype=dtype),
                 "conv": torch.zeros(batch, W - 1, self.e, device=device, dtype=dtype)}
 
-    def _ssm_inputs(self, x):  # x (b, l, e) after conv+silu -> delta, B, C
-        dt, B, C = self.x_proj(x).split([self.r, self.n, self.n], dim=-1)
-        return F.softplus(self.dt_proj(dt)), B, C
+    def _conv(self):  # the conv's weight and bias in float32 (no-ops for a float32 model)
+        b = self.conv1d.bias
+        return self.conv1d.weight.float(), None if b is None else b.float()
+
+    def _ssm_inputs(self, x):  # x (b, l, e) float32 after conv+silu -> delta, B, C in float32
+        dt, B, C = self.x_proj(x.to(self.x_proj.weight.dtype)).float().split([self.r, self.n, self.n], dim=-1)
+        if self.bc_norm_eps:
+            dt, B, C = (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + self.bc_norm_eps) for t in (dt, B, C))
+        return F.softplus(self.dt_proj(dt.to(self.dt_proj.weight.dtype)).float()), B, C
 
     def forward(self, u, state=None, pos=None):
         x, z = self.in_proj(u).chunk(2, dim=-1)
-        x, tail = causal_conv(x, None if state is None else state["conv"], self.conv1d.weight, self.conv1d.bias)
+        x, tail = causal_conv(x.float(), None if state is None else state["conv"], *self._conv())
         x = F.silu(x)
         delta, B, C = self._ssm_inputs(x)
         y, h = selective_scan(x, delta, -torch.exp(self.A_log), B, C, self.D,
                               None if state is None else state["h"], state is not None)
-        out = self.out_proj(y * F.silu(z))
+        out = self.out_proj((y * F.silu(z)).to(u.dtype))
         return out, (None if state is None else {"h": h, "conv": tail})
 
     def step(self, u, state, pos=None):
         x, z = self.in_proj(u).chunk(2, dim=-1)  # (b, e)
-        x, tail = causal_conv_step(x, state["conv"], self.conv1d.weight, self.conv1d.bias)
+        x, tail = causal_conv_step(x.float(), state["conv"], *self._conv())
         x = F.silu(x)
         delta, B, C = self._ssm_inputs(x)
         h = torch.exp(delta[..., None] * -torch.exp(self.A_log)) * state["h"] + (delta * x)[..., None] * B[:, None, :]
         y = torch.einsum("ben,bn->be", h, C) + self.D * x
-        return self.out_proj(y * F.silu(z)), {"h": h, "conv": tail}
+        return self.out_proj((y * F.silu(z)).to(u.dtype)), {"h": h, "conv": tail}
 
     def naive(self, u, state, pos=None):
         x, z = self.in_proj(u).chunk(2, dim=-1)
         tail, xs = state["conv"], []
         for t in range(u.shape[1]):
-            c, tail = causal_conv_step(x[:, t], tail, self.conv1d.weight, self.conv1d.bias)
+            c, tail = causal_conv_step(x[:, t].float(), tail, *self._conv())
             xs.append(c)
         x = F.silu(torch.stack(xs, 1))
         delta, B, C = self._ssm_inputs(x)
         y, h = selective_scan_naive(x, delta, -torch.exp(self.A_log), B, C, self.D, state["h"])
-        return self.out_proj(y * F.silu(z)), {"h": h, "conv": tail}
+        return self.out_proj((y * F.silu(z)).to(u.dtype)), {"h": h, "conv": tail}

@@ -1,0 +1,222 @@
+"""Checkpoints in the Hugging Face layout: config.json + model.safetensors (or shards named by
+model.safetensors.index.json) + tokenizer.json, as transformers' `save_pretrained` writes them.
+
+Each supported architecture maps onto a ModelConfig and a renaming of the state dict's keys, so an
+imported model is an ordinary `LM`: sessions, snapshots, batching and stores need nothing else.
+  MambaForCausalLM, FalconMambaForCausalLM     mixer "mamba", blocks without MLP
+  Mamba2ForCausalLM                            mixer "mamba2", blocks without MLP
+  RwkvForCausalLM (RWKV-4)                     mixer "rwkv4", the whole block (norms, time and channel mix)
+`load_checkpoint` is the one entry point: it also loads linstream's own checkpoints.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from .config import ModelConfig
+from .lm import LM
+from .tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+class CheckpointError(ValueError):
+    """A directory that cannot be served; the message says why and, where it can, what to do."""
+
+
+def is_hf(path: Path) -> bool:
+    """A transformers checkpoint names its class in config.json; linstream's own names its mixer."""
+    try:
+        return "architectures" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32") -> tuple[LM, Tokenizer]:
+    """The model and tokenizer in `path` (either layout), weights moved to `device` and cast to
+    `dtype` (one of DTYPES). The state stays float32 whatever the dtype (see LM.init_state)."""
+    path = Path(path)
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    if dtype != "float32":
+        _check_low_precision(path, dtype)
+    if device != "cpu":
+        index = int(device.partition(":")[2] or 0)
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise CheckpointError(f"device {device!r}: no such CUDA device here "
+                                  f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} visible)")
+    if is_hf(path):
+        model, tok = load_hf(path)
+    else:
+        model, tok = LM.load(path), Tokenizer(path / "tokenizer.json")
+    # the fingerprint names the checkpoint, taken before the cast: a snapshot moves between servers
+    # of one checkpoint on any device or dtype (their states are all float32) and continues
+    # within the lower precision's tolerance
+    model.fingerprint
+    return model.to(device=device, dtype=DTYPES[dtype]).eval(), tok
+
+
+def _check_low_precision(path: Path, dtype: str) -> None:
+    # only the imported architectures' mixers keep their recurrence in float32 under lower-precision
+    # weights; the others would compute their state in bfloat16/float16 (or fail on mixed dtypes)
+    cfg = hf_config(_read_json(path / "config.json")) if is_hf(path) else \
+        ModelConfig.from_dict(_read_json(path / "config.json"))
+    other = sorted(set(cfg.layer_mixers) - {"mamba", "mamba2", "rwkv4", "rwkv4-in"})
+    if other:
+        raise CheckpointError(f"bfloat16/float16 weights are supported for Mamba, Mamba-2 and RWKV-4 mixers "
+                              f"only; this model has {other}")
+    if dtype == "float16" and "rwkv4" in cfg.layer_mixers:
+        # RWKV-4's residual stream outgrows float16's range in deep models; transformers halves it
+        # every few blocks for that (rescale_every), which linstream does not do
+        raise CheckpointError("float16 is not supported for RWKV-4 (its hidden state overflows); use bfloat16")
+
+
+def load_hf(path: Path) -> tuple[LM, Tokenizer]:
+    hf = _read_json(path / "config.json")
+    cfg = hf_config(hf)
+    model = LM(cfg)
+    sd = {_rename(k, hf): v for k, v in _read_weights(path).items()}
+    if cfg.tie_embeddings:
+        sd.pop("head.weight", None)  # the head is the embedding; a saved copy is the same tensor
+        if "embed.weight" in sd:
+            sd["head.weight"] = sd["embed.weight"]
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not match {hf['architectures'][0]} of this config: "
+                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    tok = Tokenizer(path / "tokenizer.json", vocab_size=cfg.vocab_size)
+    if tok.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{path}: tokenizer.json has ids up to {tok.vocab_size - 1}, beyond the "
+                              f"model's vocabulary of {cfg.vocab_size}")
+    tok.eos_ids, tok.bos_id = _special_ids(path, hf, tok)
+    return model.eval(), tok
+
+
+def hf_config(hf: dict) -> ModelConfig:
+    """transformers' config.json -> ModelConfig, refusing what linstream does not compute."""
+    try:
+        return _hf_config(hf)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"config.json lacks or garbles a field its architecture needs: {e!r}") from None
+
+
+def _hf_config(hf: dict) -> ModelConfig:
+    arch = (hf.get("architectures") or ["?"])[0]
+    if arch in ("MambaForCausalLM", "FalconMambaForCausalLM"):
+        d = hf["hidden_size"]
+        if hf.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"{arch} with hidden_act {hf['hidden_act']!r}: only silu is implemented")
+        if not float(hf.get("expand", 2)).is_integer():
+            raise CheckpointError(f"{arch} with expand {hf['expand']}: only whole expansion factors are implemented")
+        rank = hf.get("time_step_rank", "auto")
+        return ModelConfig(
+            vocab_size=hf["vocab_size"], d_model=d, n_layer=hf["num_hidden_layers"], mixer="mamba",
+            mlp_ratio=0, conv_kernel=hf.get("conv_kernel", 4), d_state=hf.get("state_size", 16),
+            expand=int(hf.get("expand", 2)), dt_rank=math.ceil(d / 16) if rank == "auto" else int(rank),
+            tie_embeddings=hf.get("tie_word_embeddings", True), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            proj_bias=hf.get("use_bias", False), conv_bias=hf.get("use_conv_bias", True),
+            bc_norm_eps=hf.get("mixer_rms_eps", 1e-6) if arch == "FalconMambaForCausalLM" else 0.0)
+    if arch == "Mamba2ForCausalLM":
+        d, e = hf["hidden_size"], hf["num_heads"] * hf["head_dim"]
+        if e % d or hf.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"{arch}: num_heads * head_dim ({e}) must be a multiple of hidden_size ({d}), "
+                                  f"hidden_act silu")
+        # transformers 5 writes infinity as {"__float__": "Infinity"}, older versions as Infinity
+        lo, hi = (float(v["__float__"]) if isinstance(v, dict) else float(v)
+                  for v in hf.get("time_step_limit") or (0.0, math.inf))
+        return ModelConfig(
+            vocab_size=hf["vocab_size"], d_model=d, n_layer=hf["num_hidden_layers"], mixer="mamba2", mlp_ratio=0,
+            n_head=hf["num_heads"], n_groups=hf.get("n_groups", 1), conv_kernel=hf.get("conv_kernel", 4),
+            d_state=hf.get("state_size", 128), expand=e // d, tie_embeddings=hf.get("tie_word_embeddings", False),
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5), proj_bias=hf.get("use_bias", False),
+            conv_bias=hf.get("use_conv_bias", True),
+            # softplus is never negative: (0, inf) clamps nothing. The chunked form's cost grows with
+            # the chunk's square while its result does not depend on it: at most 64.
+            dt_limit=() if (lo, hi) == (0.0, math.inf) else (lo, hi),
+            chunk_size=min(hf.get("chunk_size", 64), 64))
+    if arch == "RwkvForCausalLM":
+        d, n = hf["hidden_size"], hf["num_hidden_layers"]
+        if hf.get("layer_norm_epsilon", 1e-5) != 1e-5:
+            # transformers' final norm (ln_out) keeps LayerNorm's default 1e-5 whatever the config says
+            raise CheckpointError(f"{arch} with layer_norm_epsilon {hf['layer_norm_epsilon']}: only 1e-5 is implemented")
+        return ModelConfig(
+            vocab_size=hf["vocab_size"], d_model=d, n_layer=n, mixer="rwkv4", layers=("rwkv4-in",) + ("rwkv4",) * (n - 1),
+            mlp_ratio=0, norm="layer", norm_eps=1e-5, d_attn=hf.get("attention_hidden_size") or d,
+            d_ffn=hf.get("intermediate_size") or 4 * d, tie_embeddings=hf.get("tie_word_embeddings", False),
+            chunk_size=16)  # the chunked form builds (b, L, L, d_attn) weights: short chunks
+    raise CheckpointError(f"architecture {arch!r} is not supported; linstream serves MambaForCausalLM, "
+                          "FalconMambaForCausalLM, Mamba2ForCausalLM and RwkvForCausalLM checkpoints")
+
+
+# transformers' key -> linstream's, per architecture: (pattern, replacement), first match wins
+_KEYS = {
+    "MambaForCausalLM": [
+        (r"backbone\.embeddings\.", "embed."), (r"backbone\.norm_f\.", "norm."), (r"lm_head\.", "head."),
+        (r"backbone\.layers\.(\d+)\.norm\.", r"blocks.\1.norm1."),
+        (r"backbone\.layers\.(\d+)\.mixer\.", r"blocks.\1.mixer.")],
+    # transformers divides RWKV's output/value weights by powers of two at inference (rescale_every)
+    # and halves the hidden state to match: the same function but for LayerNorm's eps, so the
+    # saved weights are used as they are (tests/test_hf.py measures the difference)
+    "RwkvForCausalLM": [
+        (r"rwkv\.embeddings\.", "embed."), (r"rwkv\.ln_out\.", "norm."), (r"head\.", "head."),
+        (r"rwkv\.blocks\.(\d+)\.", r"blocks.\1.mixer.")],
+}
+_KEYS["FalconMambaForCausalLM"] = _KEYS["Mamba2ForCausalLM"] = _KEYS["MambaForCausalLM"]
+
+
+def _rename(key: str, hf: dict) -> str:
+    for pattern, repl in _KEYS[hf["architectures"][0]]:
+        new, n = re.subn("^" + pattern, repl, key)
+        if n:
+            return new
+    return key  # left as is: load_state_dict then names it as unexpected
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        return {k: v for s in shards for k, v in load_file(str(path / s)).items()}
+    if (path / "model.safetensors").is_file():
+        return load_file(str(path / "model.safetensors"))
+    pickled = [p.name for pattern in PICKLED for p in path.glob(pattern)]
+    if pickled:
+        raise CheckpointError(
+            f"{path} holds only pickled weights ({', '.join(sorted(pickled))}); linstream loads safetensors "
+            "only, since unpickling can run arbitrary code. Convert it once where you trust the file: "
+            "transformers' AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)")
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _special_ids(path: Path, hf: dict, tok: Tokenizer) -> tuple[frozenset[int], int | None]:
+    """eos ids (generation stops at any) and the bos id, from config.json, else tokenizer_config.json,
+    else special_tokens_map.json (the places transformers reads them from)."""
+    def ids(key: str) -> list[int]:
+        v = hf.get(f"{key}_token_id")
+        if v is not None:
+            return [v] if isinstance(v, int) else list(v)
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            t = _read_json(path / name, {}).get(f"{key}_token")
+            t = t.get("content") if isinstance(t, dict) else t
+            if isinstance(t, str) and tok.hf.token_to_id(t) is not None:
+                return [tok.hf.token_to_id(t)]
+        return []
+    eos, bos = ids("eos"), ids("bos")
+    return frozenset(eos), (bos[0] if bos else None)
+
+
+def _read_json(p: Path, default=None):
+    if default is not None and not p.is_file():
+        return default
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {p}: {e}") from None
