@@ -156,7 +156,8 @@ async def test_stop_sequence(client):
     ("/v1/sessions", {"bogus": 1}, 422, "invalid_request"),
     ("/v1/sessions/restore", {"snapshot_id": "snap_missing"}, 404, "not_found"),
     ("/v1/sessions/sess_missing/push", {"text": "x"}, 404, "not_found"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 422, "invalid_request"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 422, "invalid_request"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "unsupported_field"),
 ])
 async def test_errors(client, path, body, status, etype):
     r = await client.post(path, json=body)
