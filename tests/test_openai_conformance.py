@@ -1,6 +1,7 @@
 """The OpenAI API as third-party clients use it, against a real `linstream serve` process: the
 official `openai` SDK (and langchain-openai / litellm where installed)."""
 import json
+import time
 
 import httpx
 import pytest
@@ -14,7 +15,8 @@ openai = pytest.importorskip("openai")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
     srv = ServerProcess([str(make_checkpoint(d, "tiny-linear")), str(make_checkpoint(d, "tiny-softmax"))],
-                        {"LINSTREAM_MAX_SESSIONS": "4", "LINSTREAM_MAX_KV_SESSIONS": "2"})
+                        {"LINSTREAM_MAX_SESSIONS": "4", "LINSTREAM_MAX_KV_SESSIONS": "2",
+                         "LINSTREAM_SSE_PING_S": "0.05"})
     yield srv
     srv.stop()
 
@@ -191,3 +193,38 @@ def test_langchain_and_litellm_where_installed(server):
     out = llm.batch(["ROMEO:", "JULIET:"])
     assert len(out) == 2 and all(isinstance(x, str) for x in out)
     assert "".join(llm.stream("ROMEO:")) == llm.invoke("ROMEO:")
+
+
+def test_several_choices_hung_up_mid_way_leave_no_session(server):
+    """A stream of several runs cut in its second run, and a non-streamed one cut while it
+    works: every temporary session ends (the server holds 4 slots: a leak shows at once)."""
+    for _ in range(3):
+        with httpx.stream("POST", server.url + "/v1/completions",
+                          json={"prompt": ["ROMEO:", "JULIET:", "Hi"], "max_tokens": 64, "stream": True}) as r:
+            for ln in r.iter_lines():
+                if ln.startswith("data: {") and json.loads(ln[6:])["choices"][0]["index"] == 1:
+                    break
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/chat/completions", timeout=0.3, json={
+                "messages": [{"role": "user", "content": "Hi"}], "n": 8, "max_tokens": 200})
+    for _ in range(100):
+        if held(server.url) == 0:
+            break
+        time.sleep(0.05)
+    assert held(server.url) == 0
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": ["a", "b"] * 4, "max_tokens": 2, "n": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 16
+
+
+def test_session_stream_events_carry_their_position_and_keep_alive_comments(server, client):
+    """SSE on the session stream: `id:` = the position after the event, `: ping` comments
+    (every 50 ms here), and the `[DONE]` sentinel last; the OpenAI SDK reads past the comments."""
+    s = httpx.post(server.url + "/v1/sessions", json={"prompt": "ROMEO:"}).json()
+    with httpx.stream("POST", f"{server.url}/v1/sessions/{s['id']}/generate", json={"max_tokens": 400}) as r:
+        lines = list(r.iter_lines())
+    ids = [int(ln[4:]) for ln in lines if ln.startswith("id: ")]
+    assert ids == list(range(s["position"] + 1, s["position"] + 401)) + [s["position"] + 400]
+    assert any(ln.startswith(": ping") for ln in lines) and [ln for ln in lines if ln][-1] == "data: [DONE]"
+    httpx.delete(f"{server.url}/v1/sessions/{s['id']}")
+    assert len("".join(c.choices[0].text for c in client.completions.create(
+        model="linear", prompt="ROMEO:", max_tokens=300, stream=True))) > 0

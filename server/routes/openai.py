@@ -12,7 +12,7 @@ import json
 import time
 from dataclasses import dataclass, replace
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from model.sampling import SamplingParams
 
@@ -108,6 +108,13 @@ def _runs(req: OpenAISampling, count: int) -> None:
         raise APIError(400, "invalid_request", "session_id continues one session: send one prompt with n = 1")
 
 
+async def _gone(request: Request) -> None:
+    """Before a further run of a non-streamed request: stop if its client has left (a streamed
+    request is ended by its response instead)."""
+    if await request.is_disconnected():
+        raise APIError(499, "client_closed", "the client closed the connection")
+
+
 def _finish(done: dict) -> str:
     """OpenAI's finish_reason for our done event; a generation that failed is an error object."""
     if "error" in done:
@@ -158,7 +165,7 @@ def _streamed(rt, req: OpenAISampling, first: Run, count: int, start, render) ->
                                        "usage": _usage(prompt, completion)})}
         yield {"data": "[DONE]"}
     return sse_response(gen(), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s,
-                        lambda: let_go(current[0].job, current[0].eng, current[0].s, rt))
+                        lambda: let_go(current[0].job, current[0].eng, current[0].s, rt), rt.settings.sse_ping_s)
 
 
 def _logprobs_obj(tok, entries, offset: int = 0):
@@ -184,7 +191,7 @@ def _prompts(req: Completion) -> list[str | list[int]]:
 
 
 @router.post("/completions")
-async def completions(req: Completion, rt: RT, owner: Owner):
+async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
     unsupported(req)
     prompts, n = _prompts(req), req.n
     best = req.best_of or n
@@ -225,7 +232,7 @@ async def completions(req: Completion, rt: RT, owner: Owner):
     for pi in range(len(prompts)):
         cands = []
         for j in range(best):
-            run = first if pi == j == 0 else await start(pi * best + j)
+            run = first if pi == j == 0 else await _gone(request) or await start(pi * best + j)
             done = await collect(run.job, run.eng, run.s, rt)
             _finish(done)
             cands.append((run, done))
@@ -254,7 +261,7 @@ def _chat_logprobs(tok, entries) -> dict:
 
 
 @router.post("/chat/completions")
-async def chat(req: Chat, rt: RT, owner: Owner):
+async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
     unsupported(req)
     _runs(req, req.n)
     req.max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), 64)
@@ -284,7 +291,7 @@ async def chat(req: Chat, rt: RT, owner: Owner):
 
     choices, usage = [], _usage(0, 0)
     for k in range(req.n):
-        run = first if k == 0 else await start(k)
+        run = first if k == 0 else await _gone(request) or await start(k)
         done = await collect(run.job, run.eng, run.s, rt)
         lps = None
         if lp is not None:
