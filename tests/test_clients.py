@@ -1,6 +1,7 @@
 """SDK and CLI against a real server process: generate, chat save/load, a tiny latency bench
 and a tiny load test whose JSON must hold sane, non-zero figures."""
 import json
+import os
 import subprocess
 import sys
 
@@ -99,3 +100,24 @@ def test_cli_loadtest_tiny(server, tmp_path):
         assert x["itl_ms"]["p50"] > 0 and x["ttft_ms"]["p99"] >= x["ttft_ms"]["p50"] > 0
         assert x["server_rss_bytes"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_serve_says_what_it_serves_and_a_client_without_server_says_one_line(ckpts):
+    from clients.local_server import free_port
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "clients", "serve", "--port", str(port), "--store", "memory",
+                             "--log-level", "warning", "-m", str(ckpts / "linear"), "-m", str(ckpts / "softmax")],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stdout.readline().strip() for _ in range(4)]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert lines[0].startswith("model linear (default): ") and "mixer linear" in lines[0] and "KiB state per session" in lines[0]
+    assert lines[1].startswith("model softmax: ") and "KV cache" in lines[1]
+    assert lines[2].startswith("store memory") and lines[3] == f"API docs: http://127.0.0.1:{port}/docs"
+    r = cli("generate", "hi", env={**os.environ, "LINSTREAM_URL": f"http://127.0.0.1:{port}"})
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"cannot reach http://127.0.0.1:{port}: is linstream serve running? set LINSTREAM_URL"]
+    help_text = cli("serve", "--help", env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "shipped: gla, hybrid, linear" in help_text and "(default 8000; env LINSTREAM_PORT)" in help_text
