@@ -228,3 +228,6 @@ def test_session_stream_events_carry_their_position_and_keep_alive_comments(serv
     httpx.delete(f"{server.url}/v1/sessions/{s['id']}")
     assert len("".join(c.choices[0].text for c in client.completions.create(
         model="linear", prompt="ROMEO:", max_tokens=300, stream=True))) > 0
+    chat = lc.ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="linear", max_tokens=4, temperature=0)
+    msg = chat.invoke([("system", "Be brief."), ("human", "Speak.")])
+    assert isinstance(msg.content, str) and "".join(c.content for c in chat.stream("Speak.")) == chat.invoke("Speak.").content
