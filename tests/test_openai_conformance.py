@@ -193,6 +193,9 @@ def test_langchain_and_litellm_where_installed(server):
     out = llm.batch(["ROMEO:", "JULIET:"])
     assert len(out) == 2 and all(isinstance(x, str) for x in out)
     assert "".join(llm.stream("ROMEO:")) == llm.invoke("ROMEO:")
+    chat = lc.ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="linear", max_tokens=4, temperature=0)
+    msg = chat.invoke([("system", "Be brief."), ("human", "Speak.")])
+    assert isinstance(msg.content, str) and "".join(c.content for c in chat.stream("Speak.")) == chat.invoke("Speak.").content
 
 
 def test_several_choices_hung_up_mid_way_leave_no_session(server):
@@ -228,6 +231,3 @@ def test_session_stream_events_carry_their_position_and_keep_alive_comments(serv
     httpx.delete(f"{server.url}/v1/sessions/{s['id']}")
     assert len("".join(c.choices[0].text for c in client.completions.create(
         model="linear", prompt="ROMEO:", max_tokens=300, stream=True))) > 0
-    chat = lc.ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="linear", max_tokens=4, temperature=0)
-    msg = chat.invoke([("system", "Be brief."), ("human", "Speak.")])
-    assert isinstance(msg.content, str) and "".join(c.content for c in chat.stream("Speak.")) == chat.invoke("Speak.").content

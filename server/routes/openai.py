@@ -126,7 +126,7 @@ def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _streamed(rt, req: OpenAISampling, first: Run, count: int, start, render) -> object:
+def _streamed(rt, req: OpenAISampling, base: dict, first: Run, count: int, start, render) -> object:
     """SSE over the `count` runs of a request, one after another (run k begins once run k-1 is
     over: `start(k)`). `render(k, run, kind, ev, sent)` -> the chunks of one event, `sent` being
     the text this choice has streamed so far. The usage chunk only if stream_options asks."""
@@ -161,8 +161,7 @@ def _streamed(rt, req: OpenAISampling, first: Run, count: int, start, render) ->
             if failed:
                 break
         if req.include_usage and not failed:
-            yield {"data": json.dumps({**render(0, first, "base", None, 0)[0], "choices": [],
-                                       "usage": _usage(prompt, completion)})}
+            yield {"data": json.dumps({**base, "choices": [], "usage": _usage(prompt, completion)})}
         yield {"data": "[DONE]"}
     return sse_response(gen(), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s,
                         lambda: let_go(current[0].job, current[0].eng, current[0].s, rt), rt.settings.sse_ping_s)
@@ -214,8 +213,6 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
 
     if req.stream:
         def render(k, run, kind, ev, sent):
-            if kind == "base":
-                return [base]
             prefix = run.eng.tok.decode(run.ids) if req.echo else ""
             if kind == "start":
                 lps = _logprobs_obj(run.eng.tok, run.echo) if run.echo else None
@@ -226,7 +223,7 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
                     if "logprobs" in ev and want is not None else None
                 return [{**base, "choices": [{"index": k, "text": ev["text"], "finish_reason": None, "logprobs": lps}]}]
             return [{**base, "choices": [{"index": k, "text": "", "finish_reason": _finish(ev), "logprobs": None}]}]
-        return _streamed(rt, req, first, len(prompts) * n, start, render)
+        return _streamed(rt, req, base, first, len(prompts) * n, start, render)
 
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for pi in range(len(prompts)):
@@ -277,8 +274,6 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
 
     if req.stream:
         def render(k, run, kind, ev, sent):
-            if kind == "base":
-                return [base]
             if kind == "start":
                 delta, finish, lps = {"role": "assistant", "content": ""}, None, None
             elif kind == "token":
@@ -287,7 +282,7 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
             else:
                 delta, finish, lps = {}, _finish(ev), None
             return [{**base, "choices": [{"index": k, "delta": delta, "finish_reason": finish, "logprobs": lps}]}]
-        return _streamed(rt, req, first, req.n, start, render)
+        return _streamed(rt, req, base, first, req.n, start, render)
 
     choices, usage = [], _usage(0, 0)
     for k in range(req.n):
