@@ -27,8 +27,9 @@ def server(ckpts):
     srv.stop()
 
 
-def cli(*args, input=None, env=None):
-    return subprocess.run([sys.executable, "-m", "clients", *args], cwd=ROOT, input=input, capture_output=True,
+def cli(*args, input=None, env=None, cwd=ROOT):
+    env = {**(env or os.environ), "PYTHONPATH": str(ROOT)}  # `-m clients` from any directory
+    return subprocess.run([sys.executable, "-m", "clients", *args], cwd=cwd, input=input, capture_output=True,
                           text=True, timeout=300, env=env)
 
 
@@ -74,12 +75,33 @@ def test_cli_chat_save_and_load(server, tmp_path):
     assert r.stdout.count("Good morrow") >= 2  # history before the save and after the load
 
 
+def test_cli_chat_help_save_without_a_name_and_ctrl_c_keeps_the_session(server, tmp_path):
+    import signal
+    r = cli("chat", "--url", server.url, "--max-tokens", "3", input="/help\nGood morrow\n/save\n/quit\n", cwd=tmp_path)
+    assert r.returncode == 0 and "/save [FILE]" in r.stdout, r.stderr
+    saved = list(tmp_path.glob("chat-*.safetensors"))
+    assert len(saved) == 1 and f"to {saved[0].name}" in r.stdout
+    proc = subprocess.Popen([sys.executable, "-m", "clients", "chat", "--url", server.url], cwd=ROOT, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    sid = proc.stdout.readline().split()[1].rstrip(";")
+    assert proc.stdout.read(2) == "> "  # waiting at the prompt, where a user presses Ctrl-C
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert f"resume with: linstream chat --url {server.url} --session {sid}" in err
+    r = cli("chat", "--url", server.url, "--session", sid, input="/quit\n")
+    assert r.returncode == 0 and r.stdout.startswith(f"session {sid};"), r.stderr
+    with Client(server.url) as c, pytest.raises(NotFound):
+        c.get_session(sid)  # /quit deletes it
+
+
 def test_cli_bench_latency_tiny(server, ckpts, tmp_path):
-    out = tmp_path / "lat"
-    r = cli("bench", "latency", "--url", server.url, "--models", "linear,softmax", "--contexts", "16,64",
-            "--tokens", "6", "--weights", str(ckpts), "--no-hf", "--out", str(out))
+    """By default every served model, written to a new folder under the current directory."""
+    r = cli("bench", "latency", "--url", server.url, "--contexts", "16,64",
+            "--tokens", "6", "--weights", str(ckpts), "--no-hf", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    [out] = [p.with_suffix("") for p in tmp_path.glob("latency-*/latency.json")]
     res = json.loads(out.with_suffix(".json").read_text())
+    assert sorted(res["models"]) == ["linear", "softmax"]
     for rows in res["models"].values():
         assert [x["context"] for x in rows] == [16, 64]
         for x in rows:
