@@ -212,8 +212,12 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
             "model": first.s.model}
 
     if req.stream:
+        echoed: dict[int, str] = {}  # run -> its prompt's text, decoded once
+
         def render(k, run, kind, ev, sent):
-            prefix = run.eng.tok.decode(run.ids) if req.echo else ""
+            if k not in echoed:
+                echoed[k] = run.eng.tok.decode(run.ids) if req.echo else ""
+            prefix = echoed[k]
             if kind == "start":
                 lps = _logprobs_obj(run.eng.tok, run.echo) if run.echo else None
                 return [{**base, "choices": [{"index": k, "text": prefix, "finish_reason": None, "logprobs": lps}]}] \
