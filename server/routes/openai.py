@@ -189,6 +189,16 @@ def _prompts(req: Completion) -> list[str | list[int]]:
     return [p]
 
 
+async def _token_prompts(rt, eng: Engine, prompts: list) -> list[list[int]]:
+    out = []
+    for i, p in enumerate(prompts):
+        ids = await (rt.tokens_of(eng, p, None) if isinstance(p, str) else rt.tokens_of(eng, None, p))
+        if not ids:
+            raise APIError(400, "empty_prompt", f"prompt[{i}] is empty: send text or token ids")
+        out.append(ids)
+    return out
+
+
 @router.post("/completions")
 async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
     unsupported(req)
@@ -201,6 +211,8 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
     _runs(req, len(prompts) * best)
     if req.max_tokens is None:
         req.max_tokens = 16
+    if len(prompts) > 1:  # every prompt checked (and tokenized, once) before any is served
+        prompts = await _token_prompts(rt, rt.engine(req.model), prompts)
     want = req.logprobs
     lp = 0 if want is None and best > n else want  # ranking by best_of needs each token's logprob
 
