@@ -87,8 +87,9 @@ class _Stream(EventSourceResponse):
 
 def sse_response(gen, send_timeout: float, shutdown_grace: float, ended, ping: float = 15) -> EventSourceResponse:
     """SSE with a keep-alive comment every `ping` seconds, so that a stream waiting (on a long
-    prefill, a queue) is not taken for dead by a proxy or a client's read timeout; and a reader too slow to take an event within `send_timeout` seconds loses
-    the stream (its session keeps exactly what was delivered) instead of holding a decode slot.
+    prefill, a queue) is not taken for dead by a proxy or a client's read timeout; a reader too
+    slow to take an event within `send_timeout` seconds loses the stream (its session keeps
+    exactly what was delivered) instead of holding a decode slot.
     On SIGTERM the stream runs on (sse-starlette would otherwise cut it at once) until it ends
     or the runtime ends it within `shutdown_grace` seconds (Runtime.begin_drain). `ended()` runs
     once the response is over (let_go, to free the job and session)."""
