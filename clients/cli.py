@@ -35,7 +35,8 @@ def serve(
     port: Annotated[Optional[int], typer.Option(help=f"port {_default('port')}")] = None,
     max_sessions: Annotated[Optional[int], typer.Option(
         help=f"sessions in memory per recurrent model {_default('max_sessions')}")] = None,
-    threads: Annotated[Optional[int], typer.Option(help=f"torch threads, 0 = torch's default {_default('threads')}")] = None,
+    threads: Annotated[Optional[int], typer.Option(
+        help=f"torch threads, 0 = torch's default {_default('threads')}")] = None,
     store: Annotated[Optional[str], typer.Option(
         help=f"memory | disk:PATH | redis://HOST:PORT/DB {_default('store')}")] = None,
     session_ttl: Annotated[Optional[float], typer.Option(
@@ -46,7 +47,8 @@ def serve(
         help="file with one key per line (default none; env LINSTREAM_API_KEY_FILE)")] = None,
     max_connections: Annotated[Optional[int], typer.Option(
         help=f"connections open at once; more get 503 {_default('max_connections')}")] = None,
-    log_level: Annotated[str, typer.Option(help="uvicorn's log level: critical | error | warning | info | debug")] = "info",
+    log_level: Annotated[str, typer.Option(
+        help="uvicorn's log level: critical | error | warning | info | debug")] = "info",
     allocator: Annotated[str, typer.Option(
         envvar="LINSTREAM_ALLOCATOR",
         help="auto | system | jemalloc: restart under libjemalloc (LD_PRELOAD), which keeps resident memory "
@@ -92,7 +94,9 @@ def banner(rt, settings) -> str:
     lines = []
     for i, (name, e) in enumerate(rt.engines.items()):
         mixers = "+".join(dict.fromkeys(e.model.cfg.layer_mixers))
-        state = f"{e.empty.row_nbytes(0) / 1024:.1f} KiB state per session" + (" + a KV cache growing with its context" if e.kv else "")
+        state = f"{e.empty.row_nbytes(0) / 1024:.1f} KiB state per session"
+        if e.kv:
+            state += " + a KV cache growing with its context"
         lines.append(f"model {name}{' (default)' if i == 0 else ''}: {e.model.num_params() / 1e6:.2f}M parameters, "
                      f"mixer {mixers}, {state}")
     store = re.sub(r"//[^/@]*@", "//***@", settings.store)  # no password in the log

@@ -56,8 +56,10 @@ class OpenAISampling(Sampling):
 
 
 class Completion(OpenAISampling):
-    prompt: Prompt | Prompts | Tokens | TokenPrompts = Field("", description="text, token ids, or a list of either (one choice per prompt)")
-    max_tokens: int | None = Field(16, ge=0, le=MAX_NEW_TOKENS, description="null = 16; also at most the server's max_new_tokens")
+    prompt: Prompt | Prompts | Tokens | TokenPrompts = Field(
+        "", description="text, token ids, or a list of either (one choice per prompt)")
+    max_tokens: int | None = Field(16, ge=0, le=MAX_NEW_TOKENS,
+                                   description="null = 16; also at most the server's max_new_tokens")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="generate this many per prompt, return the n "
@@ -80,8 +82,10 @@ class Message(Body):
 
 class Chat(OpenAISampling):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS, description="null = 64; also at most the server's max_new_tokens")
-    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS, description="takes precedence over max_tokens")
+    max_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS,
+                                   description="null = 64; also at most the server's max_new_tokens")
+    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS,
+                                              description="takes precedence over max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)

@@ -23,7 +23,8 @@ def test_lm_eval_bits_per_byte_equals_the_echo_api(tmp_path, monkeypatch):
     srv = ServerProcess([str(ckpt)])
     try:
         out = lm_eval.simple_evaluate(
-            model="local-completions", tasks=["local_text"], task_manager=TaskManager(include_path=str(ROOT / "benchmarks/lm_eval")),
+            model="local-completions", tasks=["local_text"],
+            task_manager=TaskManager(include_path=str(ROOT / "benchmarks/lm_eval")),
             model_args=f"model=linear,base_url={srv.url}/v1/completions,tokenizer={ckpt},max_length=4096")
         bpb = out["results"]["local_text"]["bits_per_byte,none"]
         text = (ROOT / "benchmarks/lm_eval/sample.txt").read_text()

@@ -30,7 +30,8 @@ async def tokenize(req: Tokenize, rt: RT, owner: Owner):
     """As vLLM's and llama.cpp's servers answer it: the ids of `prompt` (or `content`)."""
     eng = rt.engine(req.model)
     ids = await rt.tokens_of(eng, req.prompt if req.prompt is not None else req.content or "", None)
-    return {"tokens": ids, "count": len(ids), "max_model_len": rt.settings.max_prompt_tokens + rt.settings.max_new_tokens}
+    cfg = rt.settings
+    return {"tokens": ids, "count": len(ids), "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens}
 
 
 @router.post("/detokenize")
