@@ -1,4 +1,4 @@
-# linstream: serves the shipped default model on port 8000 (CPU torch; weights are in the image).
+# linstream: serves the shipped default model on port 8000 (weights are in the image).
 FROM python:3.11-slim
 WORKDIR /app
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
@@ -6,10 +6,13 @@ ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 # where glibc's arenas keep them (benchmarks/soak.py --allocator; README "Soak")
 RUN apt-get update && apt-get install -y --no-install-recommends libjemalloc2 && rm -rf /var/lib/apt/lists/*
 ENV LD_PRELOAD=libjemalloc.so.2
-# torch first, so the project's `torch>=2.4` is already met. For a small CPU-only image pass
-# --build-arg TORCH_INDEX=<a CPU wheel index>; without it pip takes its default build.
+# torch first, so the project's `torch>=2.4` is already met. TORCH_VARIANT picks the build: cpu
+# (the default: no CUDA libraries, a far smaller image) or a CUDA one such as cu126; it is fetched
+# from PyTorch's wheel index, whose base URL TORCH_INDEX names (its variants are its subfolders).
+# With TORCH_INDEX empty, pip's default index serves its default (CUDA-enabled) build instead.
+ARG TORCH_VARIANT=cpu
 ARG TORCH_INDEX=""
-RUN pip install ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} torch==2.13.0
+RUN pip install ${TORCH_INDEX:+--index-url "$TORCH_INDEX/$TORCH_VARIANT"} torch==2.13.0
 COPY pyproject.toml README.md ./
 COPY model ./model
 COPY server ./server

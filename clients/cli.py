@@ -13,25 +13,47 @@ def root():
     """linstream: a streaming inference server for recurrent LMs, with explicit sessions."""
 
 
+def _default(name: str) -> str:
+    """A server setting's default, as `serve --help` shows it (the Settings class holds it)."""
+    from server.settings import Settings
+    f = Settings.model_fields[name]
+    value = f.default_factory() if f.default_factory else f.default
+    return f"(default {', '.join(value) if isinstance(value, list) else value}; env LINSTREAM_{name.upper()})"
+
+
+def _shipped() -> str:
+    from server.settings import WEIGHTS
+    return ", ".join(sorted(p.name for p in WEIGHTS.iterdir() if (p / "config.json").exists())) or "none"
+
+
 @app.command()
 def serve(
     model: Annotated[Optional[list[str]], typer.Option(
-        "--model", "-m", help="model name or checkpoint dir; repeat to serve several (first = default)")] = None,
+        "--model", "-m", help=f"model name (shipped: {_shipped()}) or checkpoint dir; repeat to serve several "
+                              f"(first = default) {_default('models')}")] = None,
     name: Annotated[Optional[list[str]], typer.Option(
         help="the API's name for the model given by the same-numbered --model (default: its directory's name)")] = None,
-    device: Annotated[Optional[str], typer.Option(help="cpu | cuda | cuda:N [env LINSTREAM_DEVICE]")] = None,
+    device: Annotated[Optional[str], typer.Option(help=f"cpu | cuda | cuda:N {_default('device')}")] = None,
     dtype: Annotated[Optional[str], typer.Option(
-        help="weights' dtype: float32 | bfloat16 | float16 (imported checkpoints); states stay float32")] = None,
-    host: Annotated[Optional[str], typer.Option(help="bind address [env LINSTREAM_HOST]")] = None,
-    port: Annotated[Optional[int], typer.Option(help="port [env LINSTREAM_PORT]")] = None,
-    max_sessions: Annotated[Optional[int], typer.Option(help="sessions in memory per recurrent model")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="torch threads (0 = default)")] = None,
-    store: Annotated[Optional[str], typer.Option(help="memory | disk:PATH | redis://HOST:PORT/DB [env LINSTREAM_STORE]")] = None,
-    session_ttl: Annotated[Optional[float], typer.Option(help="seconds idle before a session expires (0 = never)")] = None,
-    api_key: Annotated[Optional[list[str]], typer.Option(help="require this bearer key (repeatable)")] = None,
-    api_key_file: Annotated[Optional[str], typer.Option(help="file with one key per line")] = None,
-    max_connections: Annotated[Optional[int], typer.Option(help="connections open at once; more get 503 [default 1024]")] = None,
-    log_level: Annotated[str, typer.Option()] = "info",
+        help=f"weights' dtype: float32 | bfloat16 | float16 (imported checkpoints); states stay float32 {_default('dtype')}")] = None,
+    host: Annotated[Optional[str], typer.Option(help=f"bind address {_default('host')}")] = None,
+    port: Annotated[Optional[int], typer.Option(help=f"port {_default('port')}")] = None,
+    max_sessions: Annotated[Optional[int], typer.Option(
+        help=f"sessions in memory per recurrent model {_default('max_sessions')}")] = None,
+    threads: Annotated[Optional[int], typer.Option(
+        help=f"torch threads, 0 = torch's default {_default('threads')}")] = None,
+    store: Annotated[Optional[str], typer.Option(
+        help=f"memory | disk:PATH | redis://HOST:PORT/DB {_default('store')}")] = None,
+    session_ttl: Annotated[Optional[float], typer.Option(
+        help=f"seconds idle before a session expires, 0 = never {_default('session_ttl')}")] = None,
+    api_key: Annotated[Optional[list[str]], typer.Option(
+        help="require this bearer key (repeatable) (default none: no key needed; env LINSTREAM_API_KEYS)")] = None,
+    api_key_file: Annotated[Optional[str], typer.Option(
+        help="file with one key per line (default none; env LINSTREAM_API_KEY_FILE)")] = None,
+    max_connections: Annotated[Optional[int], typer.Option(
+        help=f"connections open at once; more get 503 {_default('max_connections')}")] = None,
+    log_level: Annotated[str, typer.Option(
+        help="uvicorn's log level: critical | error | warning | info | debug")] = "info",
     allocator: Annotated[str, typer.Option(
         envvar="LINSTREAM_ALLOCATOR",
         help="auto | system | jemalloc: restart under libjemalloc (LD_PRELOAD), which keeps resident memory "
@@ -54,6 +76,11 @@ def serve(
     app = create_app(settings)
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if not self.should_exit:
+                typer.echo(banner(app.state.runtime, settings))
+
         def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: streams run on, then end cleanly
             rt = getattr(app.state, "runtime", None)
             if rt is not None:
@@ -64,6 +91,24 @@ def serve(
     Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
                           http=protocol(settings.header_timeout, conns, settings.max_header_bytes), timeout_keep_alive=settings.keep_alive_timeout,
                           timeout_graceful_shutdown=settings.graceful_shutdown_s)).run()
+
+
+def banner(rt, settings) -> str:
+    """What `serve` prints once it listens: one line per model, the store, where the docs are."""
+    import re
+    lines = []
+    for i, (name, e) in enumerate(rt.engines.items()):
+        mixers = "+".join(dict.fromkeys(e.model.cfg.layer_mixers))
+        state = f"{e.empty.row_nbytes(0) / 1024:.1f} KiB state per session"
+        if e.kv:
+            state += " + a KV cache growing with its context"
+        lines.append(f"model {name}{' (default)' if i == 0 else ''}: {e.model.num_params() / 1e6:.2f}M parameters, "
+                     f"mixer {mixers}, {state}")
+    store = re.sub(r"//[^/@]*@", "//***@", settings.store)  # no password in the log
+    lines.append(f"store {store}" + (" (sessions last only as long as this process)" if store == "memory" else ""))
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    lines.append(f"API docs: http://{host}:{settings.port}/docs")
+    return "\n".join(lines)
 
 
 def _reexec_with_jemalloc(required: bool):
@@ -86,5 +131,13 @@ def _reexec_with_jemalloc(required: bool):
 
 
 def main():
+    import httpx
+
     from . import commands  # noqa: F401  (registers the client commands on `app`)
-    app()
+    try:
+        app()
+    except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # one line, not a traceback
+        u = e.request.url
+        typer.echo(f"cannot reach {u.scheme}://{u.netloc.decode()}: is linstream serve running? set LINSTREAM_URL",
+                   err=True)
+        raise SystemExit(1) from None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,8 +12,15 @@ from .cli import app
 from .sdk import Client, LinstreamError
 
 URL = typer.Option("--url", envvar="LINSTREAM_URL", help="server base URL")
+OUT = "prefix of the .json and .png written (default: a new folder NAME-YYYYmmdd-HHMMSS here)"
 bench = typer.Typer(no_args_is_help=True, help="Benchmarks against a running server.")
 app.add_typer(bench, name="bench")
+
+
+def _run_dir(name: str) -> str:
+    """Where a run writes when not told: a new folder under the current directory, named by the
+    run, so that no earlier results (the shipped ones included) are written over."""
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}/{name}"
 
 
 @app.command()
@@ -37,32 +45,49 @@ def generate(prompt: str, url: Annotated[str, URL] = "http://127.0.0.1:8000",
                f"{t['per_token_ms']} ms/token]", err=True)
 
 
-CHAT_HELP = "commands: /save FILE (state blob), /load FILE, /history, /quit; anything else is sent"
+CHAT_HELP = ("commands: /save [FILE] (state blob), /load FILE, /history, /help, /quit (deletes the session); "
+             "anything else is sent; Ctrl-C leaves and keeps the session")
 
 
 @app.command()
 def chat(url: Annotated[str, URL] = "http://127.0.0.1:8000", model: Optional[str] = None,
+         session: Annotated[Optional[str], typer.Option(help="continue this session (Ctrl-C printed its id)")] = None,
          max_tokens: int = 120, temperature: float = 0.8, top_p: float = 0.95):
     """Interactive loop on one session. Each line is pushed, then the model answers."""
     c = Client(url)
-    sid = c.create_session(model=model)["id"]
+    sid = c.get_session(session)["id"] if session else c.create_session(model=model)["id"]
     typer.echo(f"session {sid}; {CHAT_HELP}")
+    session = [sid]  # the current one: /load replaces it
+    try:
+        _chat_loop(c, session, max_tokens, temperature, top_p)
+    except KeyboardInterrupt:
+        typer.echo(f"\nsession kept; resume with: linstream chat --url {url} --session {session[0]}", err=True)
+        return
+    c.delete(session[0])
+
+
+def _chat_loop(c: Client, session: list[str], max_tokens: int, temperature: float, top_p: float) -> None:
+    sid = session[0]
     while True:
         try:
             line = input("> ")
         except EOFError:
-            break
+            return
         cmd, _, arg = line.strip().partition(" ")
         try:
             if cmd == "/quit":
-                break
+                return
+            elif cmd == "/help":
+                typer.echo(CHAT_HELP)
             elif cmd == "/save":
+                info = c.get_session(sid)
+                arg = arg or f"chat-{sid[5:13]}-{info['position']}.safetensors"
                 Path(arg).write_bytes(c.state(sid))
-                typer.echo(f"saved position {c.get_session(sid)['position']} to {arg}")
+                typer.echo(f"saved position {info['position']} to {arg}")
             elif cmd == "/load":
                 new = c.restore(blob=Path(arg).read_bytes())
                 c.delete(sid)
-                sid = new["id"]
+                sid = session[0] = new["id"]
                 typer.echo(f"loaded {arg}: session {sid} at position {new['position']}")
             elif cmd == "/history":
                 typer.echo(c.history(sid)["text"])
@@ -74,31 +99,34 @@ def chat(url: Annotated[str, URL] = "http://127.0.0.1:8000", model: Optional[str
                 sys.stdout.write("\n")
         except (LinstreamError, OSError) as e:
             typer.echo(f"error: {e}", err=True)
-    c.delete(sid)
 
 
 @bench.command("latency")
 def bench_latency(url: Annotated[str, URL] = "http://127.0.0.1:8000",
-                  models: Annotated[str, typer.Option(help="comma-separated served models")] = "linear,performer,retnet,gla,rwkv,mamba,hybrid,softmax",
+                  models: Annotated[Optional[str], typer.Option(
+                      help="comma-separated served models (default: every model the server serves)")] = None,
                   contexts: Annotated[str, typer.Option(help="comma-separated context lengths")] = "128,1024,4096,16384,32768",
                   tokens: Annotated[int, typer.Option(help="tokens streamed per measurement")] = 64,
                   in_process: Annotated[bool, typer.Option(help="also time the same checkpoints without HTTP")] = True,
                   hf: Annotated[bool, typer.Option(help="add transformers' Mamba generate as a peer if installed")] = True,
                   threads: Annotated[int, typer.Option(help="torch threads for the in-process runs")] = 1,
                   weights: Annotated[Optional[str], typer.Option(help="checkpoint dir for in-process runs")] = None,
-                  out: str = "benchmarks/results/latency"):
+                  out: Annotated[Optional[str], typer.Option(help=OUT)] = None):
     """Per-token latency over SSE vs context length, per model, against the KV-cache baseline."""
     from .bench_latency import run
-    run(url, models.split(","), [int(x) for x in contexts.split(",")], tokens, in_process, hf, threads, out, weights)
+    names = models.split(",") if models else [m["id"] for m in Client(url).models()]
+    run(url, names, [int(x) for x in contexts.split(",")], tokens, in_process, hf, threads, out or _run_dir("latency"),
+        weights)
 
 
 @app.command()
 def loadtest(url: Annotated[str, URL] = "http://127.0.0.1:8000",
              concurrency: Annotated[str, typer.Option(help="comma-separated levels")] = "1,8,64,256",
              duration: Annotated[float, typer.Option(help="seconds per level")] = 20.0,
-             max_tokens: int = 64, model: Optional[str] = None,
+             max_tokens: int = 64,
+             model: Annotated[Optional[str], typer.Option(help="served model (default: the server's default)")] = None,
              prompt: str = "ROMEO:\nBut soft, what light through yonder window breaks?\n",
-             out: str = "benchmarks/results/loadtest"):
+             out: Annotated[Optional[str], typer.Option(help=OUT)] = None):
     """C concurrent streaming sessions per level for a fixed duration; stops by itself."""
     from .loadtest import run
-    run(url, [int(x) for x in concurrency.split(",")], duration, max_tokens, model, prompt, out)
+    run(url, [int(x) for x in concurrency.split(",")], duration, max_tokens, model, prompt, out or _run_dir("loadtest"))

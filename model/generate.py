@@ -6,6 +6,7 @@ The server's engine calls these two; `generate` is the in-process loop used by t
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -62,8 +63,10 @@ class Generation:
     def __iter__(self) -> Iterator[Event]:
         g = self.params.generator()
         dec, stop = self.tok.decoder(), StopMatcher(self.params.stop)
+        counts: Counter[int] = Counter()  # what the penalties look at
         for _ in range(self.params.max_tokens):
-            t = sample(self.state.next_logits, [self.params], [g])
+            t = sample(self.state.next_logits, [self.params], [g], [counts])
+            counts[int(t)] += 1
             _, self.state = decode(self.model, t, self.state)
             text, stopped = stop.feed(dec.feed(int(t)))
             yield Event(int(t), text, int(self.state.position[0]))

@@ -1,4 +1,5 @@
-"""Turning logits into tokens: temperature, top-k, top-p, per-request seeded generators.
+"""Turning logits into tokens: biases and penalties, temperature, top-k, top-p, per-request
+seeded generators.
 
 Rows of one batch may carry different parameters (continuous batching mixes requests), so the
 filters are vectorised over rows; only the one uniform draw per row comes from that row's own
@@ -6,6 +7,7 @@ filters are vectorised over rows; only the one uniform draw per row comes from t
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +22,13 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to a token's logit (OpenAI)
+    presence_penalty: float = 0.0  # subtracted once from a token already generated
+    frequency_penalty: float = 0.0  # subtracted per time a token was generated
+
+    @property
+    def adjusts(self) -> bool:
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
 
     def generator(self) -> torch.Generator:
         g = torch.Generator()
@@ -46,9 +55,30 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     return torch.zeros_like(probs).scatter_(-1, order, probs)
 
 
-def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> Tensor:
+def adjust_logits(logits: Tensor, params: list[SamplingParams], counts: list[Mapping[int, int]]) -> Tensor:
+    """OpenAI's logit_bias and presence/frequency penalties, each row from its own parameters and
+    the counts of the tokens it generated (so a row's result never depends on its neighbours):
+    l[v] + bias[v] - presence * (c[v] > 0) - frequency * c[v]. -> a new (B, V) float tensor."""
+    out = logits.float().clone()
+    V = out.shape[-1]
+    for i, p in enumerate(params):  # only the rows that ask, and only the tokens concerned
+        if p.logit_bias:
+            ids = torch.tensor([t for t in p.logit_bias if 0 <= t < V], dtype=torch.long)
+            out[i, ids] += torch.tensor([b for t, b in p.logit_bias.items() if 0 <= t < V])
+        if (p.presence_penalty or p.frequency_penalty) and counts[i]:
+            ids = torch.tensor(list(counts[i]), dtype=torch.long)
+            c = torch.tensor(list(counts[i].values()), dtype=torch.float32)
+            out[i, ids] -= p.presence_penalty + p.frequency_penalty * c
+    return out
+
+
+def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+           counts: list[Mapping[int, int]] | None = None) -> Tensor:
     """One token per row. Greedy rows take the argmax; others invert the CDF at a uniform drawn
-    from the row's generator. -> (B,) int64"""
+    from the row's generator. `counts`: per row, how often it generated each token (penalties).
+    -> (B,) int64"""
+    if any(p.adjusts for p in params):
+        logits = adjust_logits(logits, params, counts or [{}] * len(params))
     greedy = logits.argmax(-1)
     if all(p.temperature == 0 for p in params):
         return greedy

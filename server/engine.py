@@ -25,7 +25,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -51,6 +51,7 @@ class Job:
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # set once the state is final
     closing: asyncio.Task | None = None  # the task persisting and releasing the session after it
     emitted: int = 0
+    counts: Counter = field(default_factory=Counter)  # times each token was emitted (penalties)
     yielded: int = 0  # advanced by the handler after each event has been handed to the response
     consumed: int = 0  # tokens of this job the state has consumed
     pending: int | None = None  # last emitted token, not yet consumed by the state
@@ -348,7 +349,7 @@ class Engine:
         failure the rows are sampled one by one: `sample` draws from the generators only after
         everything that can fail, so the others draw exactly what they would have in the batch."""
         try:
-            return self.sampler(logits, [j.params for j in jobs], [j.gen for j in jobs]).tolist()
+            return self.sampler(logits, [j.params for j in jobs], [j.gen for j in jobs], [j.counts for j in jobs]).tolist()
         except Exception as e:
             if len(jobs) == 1:
                 self._fail(jobs[0], f"sampling failed: {type(e).__name__}: {e}")
@@ -356,7 +357,7 @@ class Engine:
         out = []
         for i, j in enumerate(jobs):
             try:
-                out.append(int(self.sampler(logits[i:i + 1], [j.params], [j.gen])[0]))
+                out.append(int(self.sampler(logits[i:i + 1], [j.params], [j.gen], [j.counts])[0]))
             except Exception as e:
                 self._fail(j, f"sampling failed: {type(e).__name__}: {e}")
                 out.append(None)
@@ -375,6 +376,7 @@ class Engine:
         if j.logprobs is not None:
             ev["logprobs"] = _logprob_entries(logits, [t], j.logprobs, self.tok)[0]
         j.emitted += 1
+        j.counts[t] += 1
         j.pending = t
         return ev
 

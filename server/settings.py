@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     max_streams_per_key: int = 0  # concurrent generations per API key (0 = unlimited)
     tokens_per_minute_per_key: int = 0  # generated tokens per key per minute (0 = unlimited)
     stream_send_timeout: float = 30.0  # seconds a client may leave one SSE event unread
+    sse_ping_s: float = Field(5.0, ge=0)  # seconds between keep-alive comments on SSE streams (0 = none)
     # connections: a request's line and headers must arrive within header_timeout seconds of its
     # connection opening (or its previous response ending), its body within body_timeout of the
     # first read; an idle keep-alive connection closes after keep_alive_timeout; connections

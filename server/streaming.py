@@ -85,18 +85,24 @@ class _Stream(EventSourceResponse):
             self.ended()
 
 
-def sse_response(gen, send_timeout: float, shutdown_grace: float, ended) -> EventSourceResponse:
-    """SSE with pings, and a reader too slow to take an event within `send_timeout` seconds loses
-    the stream (its session keeps exactly what was delivered) instead of holding a decode slot.
+def sse_response(gen, send_timeout: float, shutdown_grace: float, ended, ping: float = 15) -> EventSourceResponse:
+    """SSE with a keep-alive comment every `ping` seconds, so that a stream waiting (on a long
+    prefill, a queue) is not taken for dead by a proxy or a client's read timeout; a reader too
+    slow to take an event within `send_timeout` seconds loses the stream (its session keeps
+    exactly what was delivered) instead of holding a decode slot.
     On SIGTERM the stream runs on (sse-starlette would otherwise cut it at once) until it ends
     or the runtime ends it within `shutdown_grace` seconds (Runtime.begin_drain). `ended()` runs
     once the response is over (let_go, to free the job and session)."""
-    return _Stream(gen, ended, ping=15, send_timeout=send_timeout, shutdown_grace_period=shutdown_grace)
+    return _Stream(gen, ended, ping=ping, send_timeout=send_timeout, shutdown_grace_period=shutdown_grace)
 
 
 async def sse(job: Job, eng: Engine, s: Session, rt):
+    """The session stream: `event: token` per token, then `event: done`, then the end sentinel
+    `data: [DONE]` (no event name), after which the server closes the stream. Every event's `id:`
+    is the session's position after it, so a client knows exactly what its session holds."""
     async for kind, ev in events(job, eng, s, rt):
-        yield {"event": kind, "data": json.dumps(ev)}
+        pos = ev["position"] if kind == "token" else s.position
+        yield {"event": kind, "data": json.dumps(ev), "id": str(pos)}
     yield {"data": "[DONE]"}
 
 

@@ -13,6 +13,7 @@ from model.lm import LM
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "model" / "weights" / "tokenizer.json"
+TOKENIZER_CONFIG = ROOT / "model" / "weights" / "linear" / "tokenizer_config.json"  # HF AutoTokenizer's
 
 
 def make_checkpoint(dirpath: Path, preset: str, seed: int = 0) -> Path:
@@ -21,6 +22,7 @@ def make_checkpoint(dirpath: Path, preset: str, seed: int = 0) -> Path:
     out = dirpath / preset.replace("tiny-", "")
     LM(cfg).save(out)
     shutil.copy(TOKENIZER, out / "tokenizer.json")
+    shutil.copy(TOKENIZER_CONFIG, out / "tokenizer_config.json")
     return out
 
 

@@ -1,6 +1,7 @@
 """SDK and CLI against a real server process: generate, chat save/load, a tiny latency bench
 and a tiny load test whose JSON must hold sane, non-zero figures."""
 import json
+import os
 import subprocess
 import sys
 
@@ -26,8 +27,9 @@ def server(ckpts):
     srv.stop()
 
 
-def cli(*args, input=None, env=None):
-    return subprocess.run([sys.executable, "-m", "clients", *args], cwd=ROOT, input=input, capture_output=True,
+def cli(*args, input=None, env=None, cwd=ROOT):
+    env = {**(env or os.environ), "PYTHONPATH": str(ROOT)}  # `-m clients` from any directory
+    return subprocess.run([sys.executable, "-m", "clients", *args], cwd=cwd, input=input, capture_output=True,
                           text=True, timeout=300, env=env)
 
 
@@ -73,12 +75,33 @@ def test_cli_chat_save_and_load(server, tmp_path):
     assert r.stdout.count("Good morrow") >= 2  # history before the save and after the load
 
 
+def test_cli_chat_help_save_without_a_name_and_ctrl_c_keeps_the_session(server, tmp_path):
+    import signal
+    r = cli("chat", "--url", server.url, "--max-tokens", "3", input="/help\nGood morrow\n/save\n/quit\n", cwd=tmp_path)
+    assert r.returncode == 0 and "/save [FILE]" in r.stdout, r.stderr
+    saved = list(tmp_path.glob("chat-*.safetensors"))
+    assert len(saved) == 1 and f"to {saved[0].name}" in r.stdout
+    proc = subprocess.Popen([sys.executable, "-m", "clients", "chat", "--url", server.url], cwd=ROOT, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    sid = proc.stdout.readline().split()[1].rstrip(";")
+    assert proc.stdout.read(2) == "> "  # waiting at the prompt, where a user presses Ctrl-C
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert f"resume with: linstream chat --url {server.url} --session {sid}" in err
+    r = cli("chat", "--url", server.url, "--session", sid, input="/quit\n")
+    assert r.returncode == 0 and r.stdout.startswith(f"session {sid};"), r.stderr
+    with Client(server.url) as c, pytest.raises(NotFound):
+        c.get_session(sid)  # /quit deletes it
+
+
 def test_cli_bench_latency_tiny(server, ckpts, tmp_path):
-    out = tmp_path / "lat"
-    r = cli("bench", "latency", "--url", server.url, "--models", "linear,softmax", "--contexts", "16,64",
-            "--tokens", "6", "--weights", str(ckpts), "--no-hf", "--out", str(out))
+    """By default every served model, written to a new folder under the current directory."""
+    r = cli("bench", "latency", "--url", server.url, "--contexts", "16,64",
+            "--tokens", "6", "--weights", str(ckpts), "--no-hf", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    [out] = [p.with_suffix("") for p in tmp_path.glob("latency-*/latency.json")]
     res = json.loads(out.with_suffix(".json").read_text())
+    assert sorted(res["models"]) == ["linear", "softmax"]
     for rows in res["models"].values():
         assert [x["context"] for x in rows] == [16, 64]
         for x in rows:
@@ -99,3 +122,24 @@ def test_cli_loadtest_tiny(server, tmp_path):
         assert x["itl_ms"]["p50"] > 0 and x["ttft_ms"]["p99"] >= x["ttft_ms"]["p50"] > 0
         assert x["server_rss_bytes"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_serve_says_what_it_serves_and_a_client_without_server_says_one_line(ckpts):
+    from clients.local_server import free_port
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "clients", "serve", "--port", str(port), "--store", "memory",
+                             "--log-level", "warning", "-m", str(ckpts / "linear"), "-m", str(ckpts / "softmax")],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stdout.readline().strip() for _ in range(4)]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert lines[0].startswith("model linear (default): ") and "mixer linear" in lines[0] and "KiB state per session" in lines[0]
+    assert lines[1].startswith("model softmax: ") and "KV cache" in lines[1]
+    assert lines[2].startswith("store memory") and lines[3] == f"API docs: http://127.0.0.1:{port}/docs"
+    r = cli("generate", "hi", env={**os.environ, "LINSTREAM_URL": f"http://127.0.0.1:{port}"})
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"cannot reach http://127.0.0.1:{port}: is linstream serve running? set LINSTREAM_URL"]
+    help_text = cli("serve", "--help", env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "shipped: gla, hybrid, linear" in help_text and "(default 8000; env LINSTREAM_PORT)" in help_text

@@ -74,10 +74,10 @@ def faulty_rows(state) -> list[int]:
 
 
 def sampler_raising_for_faulty(eng, model):
-    def sampler(logits, params, gens):
+    def sampler(logits, params, gens, counts):
         if any(p.seed == 99 for p in params) and next(j for j in eng.jobs if j.params.seed == 99).emitted >= AFTER:
             raise ValueError("injected sampler fault")
-        return sample(logits, params, gens)
+        return sample(logits, params, gens, counts)
     eng.sampler = sampler
 
 

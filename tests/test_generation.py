@@ -2,7 +2,7 @@
 import torch
 
 from model.generate import Generation, decode, prefill
-from model.sampling import SamplingParams, StopMatcher, logits_to_probs, sample
+from model.sampling import SamplingParams, StopMatcher, adjust_logits, logits_to_probs, sample
 
 
 def test_prefill_then_steps_equals_full_forward(tiny):
@@ -45,6 +45,23 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     b = sample(logits, ps, [p.generator() for p in ps])
     solo = sample(logits[2:], ps[2:], [ps[2].generator()])
     assert torch.equal(a, b) and a[1] == logits[1].argmax() and a[2] == solo[0]
+
+
+def test_bias_and_penalties_follow_openai_and_stay_per_row():
+    """l[v] + bias[v] - presence * (c[v] > 0) - frequency * c[v], each row from its own counts;
+    a penalised row draws alone what it draws beside unpenalised rows."""
+    logits = torch.zeros(2, 6)
+    ps = [SamplingParams(logit_bias={1: 5.0, 4: -1.0}, presence_penalty=0.5, frequency_penalty=0.25), SamplingParams()]
+    out = adjust_logits(logits, ps, [{1: 2, 3: 1}, {1: 9}])
+    assert out[0].tolist() == [0.0, 5.0 - 0.5 - 0.5, 0.0, -0.75, -1.0, 0.0] and out[1].tolist() == [0.0] * 6
+    assert logits.abs().sum() == 0  # the model's logits (and their logprobs) are left as they were
+    logits = torch.randn(3, 50)
+    ps = [SamplingParams(temperature=0.9, seed=1, frequency_penalty=1.5, logit_bias={3: 2.0}), SamplingParams(seed=2),
+          SamplingParams(temperature=0.0, presence_penalty=2.0)]
+    counts = [{int(logits[0].argmax()): 3}, {}, {int(logits[2].argmax()): 1}]
+    both = sample(logits, ps, [p.generator() for p in ps], counts)
+    solo = [sample(logits[i:i + 1], ps[i:i + 1], [ps[i].generator()], counts[i:i + 1])[0] for i in range(3)]
+    assert both.tolist() == [int(x) for x in solo] and both[2] != logits[2].argmax()
 
 
 def test_stop_matcher_never_emits_the_stop():

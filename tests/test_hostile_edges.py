@@ -80,7 +80,10 @@ REFUSED = [
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 65}, 413, "max_tokens_too_large"),
     ("/v1/completions", {"prompt": [5, 99999], "max_tokens": 4}, 400, "invalid_token"),
     ("/v1/completions", {"prompt": [5] * 257, "max_tokens": 4}, 413, "prompt_too_long"),
-    ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, "empty_session"),  # refused once the session is made
+    ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, "empty_prompt"),
+    ("/v1/completions", {"prompt": ["Hi", "there", ""], "max_tokens": 4, "n": 2}, 400, "empty_prompt"),
+    ("/v1/completions", {"prompt": [[5, 6], [5, 99999]], "max_tokens": 4}, 400, "invalid_token"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"99999": 1}}, 400, "invalid_token"),
     ("/v1/completions", {"prompt": "Hi", "temperature": -1}, 422, "invalid_request"),
     ("/v1/completions", {"model": "nope", "prompt": "Hi"}, 400, "unknown_model"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 65}, 413, "max_tokens_too_large"),

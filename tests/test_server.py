@@ -70,7 +70,9 @@ async def test_stream_events(client):
     r = await client.post(f"/v1/sessions/{s['id']}/generate", json={"max_tokens": 4, "seed": 1})
     assert r.headers["content-type"].startswith("text/event-stream")
     blocks = [b for b in r.text.replace("\r\n", "\n").split("\n\n") if b.strip()]
-    assert [b.split("\n")[0] for b in blocks] == ["event: token"] * 4 + ["event: done", "data: [DONE]"]
+    fields = [dict(line.split(": ", 1) for line in b.split("\n")) for b in blocks]
+    assert [f.get("event") for f in fields] == ["token"] * 4 + ["done", None] and fields[-1]["data"] == "[DONE]"
+    assert [int(f["id"]) for f in fields[:5]] == [s["position"] + i for i in (1, 2, 3, 4, 4)]  # position after it
     assert '"finish_reason": "length"' in blocks[4] and '"per_token_ms"' in blocks[4]
 
 
@@ -156,7 +158,8 @@ async def test_stop_sequence(client):
     ("/v1/sessions", {"bogus": 1}, 422, "invalid_request"),
     ("/v1/sessions/restore", {"snapshot_id": "snap_missing"}, 404, "not_found"),
     ("/v1/sessions/sess_missing/push", {"text": "x"}, 404, "not_found"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 422, "invalid_request"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 422, "invalid_request"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "unsupported_field"),
 ])
 async def test_errors(client, path, body, status, etype):
     r = await client.post(path, json=body)

@@ -1,70 +1,74 @@
 """OpenAI-compatible /v1/completions and /v1/chat/completions (streaming and not), /v1/models.
 
-Each request runs on a session: the one named by the `session_id` extension field (continued,
-and kept), or a temporary one deleted afterwards.
+Each generation runs on a session: the one named by the `session_id` extension field (continued,
+and kept), or a temporary one deleted afterwards. A request asking for several choices (a list
+of prompts, n > 1, best_of) runs its generations one after another, each on its own temporary
+session, so it never holds more than one slot and each generation is admitted like a request.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from typing import Literal
+from dataclasses import dataclass, replace
 
-from fastapi import APIRouter
-from pydantic import ConfigDict, Field
+from fastapi import APIRouter, Request
+
+from model.sampling import SamplingParams
 
 from model.footprint import footprint
 
 from ..auth import Owner
+from ..engine import Engine, Job
 from ..errors import APIError
-from ..schemas import MAX_LOGPROBS, MAX_NEW_TOKENS, Body, Name, Prompt, Sampling, Tokens
+from ..schemas import MAX_SEED
+from ..schemas_openai import MAX_RUNS, Chat, Completion, OpenAISampling, chat_prompt, unsupported
+from ..sessions import Session
 from ..streaming import collect, events, let_go, sse_response
 from .deps import RT
 from .sessions import sampling_params
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-MAX_MESSAGES = 1024  # per chat request; their text together is bounded by max_prompt_bytes
+SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so choice i's seed differs from every other choice's
 
 
-class Completion(Sampling):
-    model_config = ConfigDict(extra="ignore")
-    model: Name | None = None
-    prompt: Prompt | Tokens = ""
-    max_tokens: int = Field(16, ge=0, le=MAX_NEW_TOKENS, description="also at most the server's max_new_tokens")
-    stream: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    n: int = Field(1, ge=1, le=1)
-    session_id: Name | None = None
+@dataclass
+class Run:
+    """One generation of a request: its session (temporary or named), engine and job."""
+    s: Session
+    eng: Engine
+    job: Job
+    ids: list[int]
+    echo: list | None  # (token, logprob, top) of the prompt, when echoed with logprobs
+    temp: bool
 
 
-class Message(Body):
-    role: Literal["system", "user", "assistant"]
-    content: Prompt
+def _params(req: OpenAISampling, rt, eng: Engine, choice: int) -> SamplingParams:
+    """The sampler's parameters for choice `choice` of the request: with a seed, choice i draws
+    from its own seed derived from it, so n choices differ and the same request gives the same n."""
+    V = eng.model.cfg.vocab_size
+    bad = [t for t in req.logit_bias or {} if t >= V]
+    if bad:
+        raise APIError(400, "invalid_token", f"logit_bias: token ids must lie in [0, {V}); got {bad[:5]}")
+    seed = None if req.seed is None else (req.seed + choice * SEED_STRIDE) % MAX_SEED
+    return replace(sampling_params(req, rt), seed=seed, logit_bias=dict(req.logit_bias or {}),
+                   presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
 
 
-class Chat(Sampling):
-    model_config = ConfigDict(extra="ignore")
-    model: Name | None = None
-    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS, description="also at most the server's max_new_tokens")
-    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
-    stream: bool = False
-    n: int = Field(1, ge=1, le=1)
-    session_id: Name | None = None
+def _separator(tail: str) -> str:
+    """What goes between a session's text and the chat turns appended to it, so the transcript
+    keeps chat_prompt's blank line between messages."""
+    return "" if tail.endswith("\n\n") else "\n" if tail.endswith("\n") else "\n\n"
 
 
-def chat_prompt(messages: list[Message]) -> str:
-    """A plain transcript: 'ROLE:\\ncontent\\n\\n' per message, then 'ASSISTANT:\\n'."""
-    return "".join(f"{m.role.upper()}:\n{m.content}\n\n" for m in messages) + "ASSISTANT:\n"
-
-
-async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | None, logprobs: int | None):
-    """Open or continue the session, push the prompt, start generating. -> (session, engine, job,
-    prompt ids, echo logprobs, temp). What can be refused is checked before a temporary session is
-    made; once made, it is deleted on any way out (a refusal, an error, a cancellation) until its
-    generation owns it, and then when that ends (Runtime.finish_generation)."""
-    params = sampling_params(req, rt)
+async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | None, logprobs: int | None,
+               choice: int = 0, transcript: bool = False) -> Run:
+    """Open or continue the session, push the prompt, start generating. `transcript`: text is
+    chat turns, separated from what a continued session holds. What can be refused is checked
+    before a temporary session is made; once made, it is deleted on any way out (a refusal, an
+    error, a cancellation) until its generation owns it, and then when that ends
+    (Runtime.finish_generation)."""
+    rt.check_max_tokens(req.max_tokens)  # refused before any work
     if req.session_id:
         s = await rt.find(req.session_id, owner)
         if req.model and req.model != s.model:
@@ -72,13 +76,19 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
         eng = rt.engines[s.model]
     else:
         s, eng = None, rt.engine(req.model)
+    params = _params(req, rt, eng, choice)
     ids = await (rt.tokens_of(eng, text, None) if isinstance(text, str) else rt.tokens_of(eng, None, text))
+    if not ids and (s is None or s.position == 0):
+        raise APIError(400, "empty_prompt", "the prompt is empty: send text or token ids" if s is None else
+                       f"session {s.id!r} holds no tokens and the prompt is empty: send text or token ids")
     temp = s is None
     if temp:
         rt.admit(eng, owner)  # draining, overloaded or rate-limited: refused before any work
         s = await rt.create(req.model, None, None, owner, ephemeral=True)
     try:
         async with rt.use(s.id, owner, release=False):
+            if transcript and s.tokens:
+                ids = eng.tok.encode(_separator(eng.tok.decode(s.tokens[-4:]))) + ids
             start = s.position
             _, pre = await rt.push(s, ids, echo_logprobs)
             echo = None
@@ -90,59 +100,21 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
         if temp:  # shielded: a second cancellation must not cut the delete short
             await asyncio.shield(rt.spawn(rt.delete(s)))
         raise
-    return s, eng, job, ids, echo, temp
+    return Run(s, eng, job, ids, echo, temp)
 
 
-def _logprobs_obj(tok, entries):
-    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    off = 0
-    for t, lp, top in entries:
-        piece = tok.decode([t])
-        out["tokens"].append(piece)
-        out["token_logprobs"].append(lp)
-        out["top_logprobs"].append(top)
-        out["text_offset"].append(off)
-        off += len(piece)
-    return out
+def _runs(req: OpenAISampling, count: int) -> None:
+    if count > MAX_RUNS:
+        raise APIError(422, "invalid_request", f"prompts x best_of (or n) = {count} exceeds {MAX_RUNS}")
+    if count > 1 and req.session_id:
+        raise APIError(400, "invalid_request", "session_id continues one session: send one prompt with n = 1")
 
 
-@router.post("/completions")
-async def completions(req: Completion, rt: RT, owner: Owner):
-    want = req.logprobs
-    s, eng, job, ids, echo, temp = await _run(rt, req, owner, req.prompt, want if req.echo else None, want)
-    base = {"id": f"cmpl-{s.id[5:21]}", "object": "text_completion", "created": int(time.time()), "model": s.model}
-    prefix = eng.tok.decode(ids) if req.echo else ""
-
-    if req.stream:
-        async def gen():
-            if prefix:
-                yield {"data": json.dumps({**base, "choices": [{"index": 0, "text": prefix, "finish_reason": None,
-                                                                "logprobs": None}]})}
-            async for kind, ev in events(job, eng, s, rt):
-                if kind == "token":
-                    lp = _logprobs_obj(eng.tok, [(ev["token"], *ev["logprobs"])]) if "logprobs" in ev else None
-                    choice = {"index": 0, "text": ev["text"], "finish_reason": None, "logprobs": lp}
-                elif "error" in ev:
-                    yield {"data": json.dumps({"error": ev["error"]})}
-                    break
-                else:
-                    choice = {"index": 0, "text": "", "finish_reason": _finish(ev), "logprobs": None}
-                yield {"data": json.dumps({**base, "choices": [choice]})}
-                if kind == "done":
-                    yield {"data": json.dumps({**base, "choices": [], "usage": ev["usage"]})}
-            yield {"data": "[DONE]"}
-        return sse_response(gen(), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s,
-                            lambda: let_go(job, eng, s, rt))
-
-    done = await collect(job, eng, s, rt)
-    lp = None
-    if want is not None:
-        lps = [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))]
-        lp = _logprobs_obj(eng.tok, (echo or []) + lps)
-    return {**base, "choices": [{"index": 0, "text": prefix + done["text"], "finish_reason": _finish(done),
-                                 "logprobs": lp}],
-            "usage": done["usage"], **({"session_id": s.id} if not temp else {})}
+async def _gone(request: Request) -> None:
+    """Before a further run of a non-streamed request: stop if its client has left (a streamed
+    request is ended by its response instead)."""
+    if await request.is_disconnected():
+        raise APIError(499, "client_closed", "the client closed the connection")
 
 
 def _finish(done: dict) -> str:
@@ -152,40 +124,209 @@ def _finish(done: dict) -> str:
     return "stop" if done["finish_reason"] in ("stop", "cancelled", "shutdown") else "length"
 
 
-@router.post("/chat/completions")
-async def chat(req: Chat, rt: RT, owner: Owner):
-    req.max_tokens = req.max_completion_tokens or req.max_tokens or 64
-    s, eng, job, _, _, temp = await _run(rt, req, owner, chat_prompt(req.messages), None, None)
-    base = {"id": f"chatcmpl-{s.id[5:21]}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": s.model}
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _streamed(rt, req: OpenAISampling, base: dict, first: Run, count: int, start, render) -> object:
+    """SSE over the `count` runs of a request, one after another (run k begins once run k-1 is
+    over: `start(k)`). `render(k, run, kind, ev, sent)` -> the chunks of one event, `sent` being
+    the text this choice has streamed so far. The usage chunk only if stream_options asks."""
+    current = [first]  # the run in progress: let go of when the response ends, however it ends
+
+    async def gen():
+        prompt = completion = 0
+        failed = False
+        for k in range(count):
+            if k:
+                try:
+                    current[0] = await start(k)
+                except APIError as e:
+                    yield {"data": json.dumps({"error": {"type": e.type, "message": e.message}})}
+                    failed = True
+                    break
+            run, sent = current[0], 0
+            for c in render(k, run, "start", None, 0):
+                yield {"data": json.dumps(c)}
+            async for kind, ev in events(run.job, run.eng, run.s, rt):
+                if kind == "done" and "error" in ev:
+                    yield {"data": json.dumps({"error": ev["error"]})}
+                    failed = True
+                    break
+                for c in render(k, run, kind, ev, sent):
+                    yield {"data": json.dumps(c)}
+                if kind == "token":
+                    sent += len(ev["text"])
+                else:
+                    prompt += ev["usage"]["prompt_tokens"] if k % req.n == 0 else 0
+                    completion += ev["usage"]["completion_tokens"]
+            if failed:
+                break
+        if req.include_usage and not failed:
+            yield {"data": json.dumps({**base, "choices": [], "usage": _usage(prompt, completion)})}
+        yield {"data": "[DONE]"}
+    return sse_response(gen(), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s,
+                        lambda: let_go(current[0].job, current[0].eng, current[0].s, rt), rt.settings.sse_ping_s)
+
+
+def _logprobs_obj(tok, entries, offset: int = 0):
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, lp, top in entries:
+        piece = tok.decode([t])
+        out["tokens"].append(piece)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(piece)
+    return out
+
+
+def _prompts(req: Completion) -> list[str | list[int]]:
+    p = req.prompt
+    if isinstance(p, list) and p and not isinstance(p[0], int):
+        return p  # several prompts
+    if isinstance(p, list) and not p:
+        raise APIError(400, "empty_prompt", "prompt: an empty list; send text, token ids or a list of either")
+    return [p]
+
+
+async def _token_prompts(rt, eng: Engine, prompts: list) -> list[list[int]]:
+    out = []
+    for i, p in enumerate(prompts):
+        ids = await (rt.tokens_of(eng, p, None) if isinstance(p, str) else rt.tokens_of(eng, None, p))
+        if not ids:
+            raise APIError(400, "empty_prompt", f"prompt[{i}] is empty: send text or token ids")
+        out.append(ids)
+    return out
+
+
+@router.post("/completions")
+async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
+    unsupported(req)
+    prompts, n = _prompts(req), req.n
+    best = req.best_of or n
+    if best < n:
+        raise APIError(400, "invalid_request", f"best_of ({best}) must be at least n ({n})")
+    if req.stream and best > n:
+        raise APIError(400, "invalid_request", "best_of: cannot stream when best_of > n")
+    _runs(req, len(prompts) * best)
+    if req.max_tokens is None:
+        req.max_tokens = 16
+    if len(prompts) > 1:  # every prompt checked (and tokenized, once) before any is served
+        prompts = await _token_prompts(rt, rt.engine(req.model), prompts)
+    want = req.logprobs
+    lp = 0 if want is None and best > n else want  # ranking by best_of needs each token's logprob
+
+    def start(k: int, prompts=prompts):  # run k: choice k % best of prompt k // best
+        return _run(rt, req, owner, prompts[k // best], want if req.echo else None, lp, k % best)
+
+    first = await start(0)
+    base = {"id": f"cmpl-{first.s.id[5:21]}", "object": "text_completion", "created": int(time.time()),
+            "model": first.s.model}
 
     if req.stream:
-        async def gen():
-            yield {"data": json.dumps({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                            "finish_reason": None}]})}
-            async for kind, ev in events(job, eng, s, rt):
-                if kind == "token":
-                    choice = {"index": 0, "delta": {"content": ev["text"]}, "finish_reason": None}
-                elif "error" in ev:
-                    yield {"data": json.dumps({"error": ev["error"]})}
-                    break
-                else:
-                    choice = {"index": 0, "delta": {}, "finish_reason": _finish(ev)}
-                yield {"data": json.dumps({**base, "choices": [choice]})}
-            yield {"data": "[DONE]"}
-        return sse_response(gen(), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s,
-                            lambda: let_go(job, eng, s, rt))
+        echoed: dict[int, str] = {}  # run -> its prompt's text, decoded once
 
-    done = await collect(job, eng, s, rt)
-    return {**base, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": done["text"]},
-                         "finish_reason": _finish(done)}],
-            "usage": done["usage"], **({"session_id": s.id} if not temp else {})}
+        def render(k, run, kind, ev, sent):
+            if k not in echoed:
+                echoed[k] = run.eng.tok.decode(run.ids) if req.echo else ""
+            prefix = echoed[k]
+            if kind == "start":
+                lps = _logprobs_obj(run.eng.tok, run.echo) if run.echo else None
+                return [{**base, "choices": [{"index": k, "text": prefix, "finish_reason": None, "logprobs": lps}]}] \
+                    if prefix else []
+            if kind == "token":
+                lps = _logprobs_obj(run.eng.tok, [(ev["token"], *ev["logprobs"])], len(prefix) + sent) \
+                    if "logprobs" in ev and want is not None else None
+                return [{**base, "choices": [{"index": k, "text": ev["text"], "finish_reason": None, "logprobs": lps}]}]
+            return [{**base, "choices": [{"index": k, "text": "", "finish_reason": _finish(ev), "logprobs": None}]}]
+        return _streamed(rt, req, base, first, len(prompts) * n, start, render)
+
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for pi in range(len(prompts)):
+        cands = []
+        for j in range(best):
+            run = first if pi == j == 0 else await _gone(request) or await start(pi * best + j)
+            done = await collect(run.job, run.eng, run.s, rt)
+            _finish(done)
+            cands.append((run, done))
+            completion_tokens += done["usage"]["completion_tokens"]
+        prompt_tokens += cands[0][1]["usage"]["prompt_tokens"]
+        if best > n:  # the n most likely, by the summed logprob of their tokens
+            cands.sort(key=lambda c: -sum(x[0] for x in c[1].get("logprobs", [])))
+        for j, (run, done) in enumerate(cands[:n]):
+            prefix = run.eng.tok.decode(run.ids) if req.echo else ""
+            lps = None
+            if want is not None:
+                lps = _logprobs_obj(run.eng.tok, (run.echo or []) +
+                                    [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))])
+            choices.append({"index": pi * n + j, "text": prefix + done["text"], "finish_reason": _finish(done),
+                            "logprobs": lps})
+    return {**base, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens),
+            **({"session_id": first.s.id} if not first.temp else {})}
+
+
+def _chat_logprobs(tok, entries) -> dict:
+    """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    def one(text, lp):
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+    return {"content": [{**one(tok.decode([t]), lp), "top_logprobs": [one(a, b) for a, b in (top or {}).items()]}
+                        for t, lp, top in entries]}
+
+
+@router.post("/chat/completions")
+async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
+    unsupported(req)
+    _runs(req, req.n)
+    req.max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), 64)
+    text = chat_prompt(req.messages)
+    lp = (req.top_logprobs or 0) if req.logprobs else None
+
+    def start(k: int):
+        return _run(rt, req, owner, text, None, lp, k, transcript=True)
+
+    first = await start(0)
+    base = {"id": f"chatcmpl-{first.s.id[5:21]}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": first.s.model}
+
+    if req.stream:
+        def render(k, run, kind, ev, sent):
+            if kind == "start":
+                delta, finish, lps = {"role": "assistant", "content": ""}, None, None
+            elif kind == "token":
+                delta, finish = {"content": ev["text"]}, None
+                lps = _chat_logprobs(run.eng.tok, [(ev["token"], *ev["logprobs"])]) if "logprobs" in ev else None
+            else:
+                delta, finish, lps = {}, _finish(ev), None
+            return [{**base, "choices": [{"index": k, "delta": delta, "finish_reason": finish, "logprobs": lps}]}]
+        return _streamed(rt, req, base, first, req.n, start, render)
+
+    choices, usage = [], _usage(0, 0)
+    for k in range(req.n):
+        run = first if k == 0 else await _gone(request) or await start(k)
+        done = await collect(run.job, run.eng, run.s, rt)
+        lps = None
+        if lp is not None:
+            lps = _chat_logprobs(run.eng.tok, [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))])
+        choices.append({"index": k, "message": {"role": "assistant", "content": done["text"]},
+                        "finish_reason": _finish(done), "logprobs": lps})
+        usage = _usage(done["usage"]["prompt_tokens"], usage["completion_tokens"] + done["usage"]["completion_tokens"])
+    return {**base, "object": "chat.completion", "choices": choices, "usage": usage,
+            **({"session_id": first.s.id} if not first.temp else {})}
+
+
+def model_card(rt, name: str, e: Engine) -> dict:
+    """A /v1/models entry. A recurrent model has no context window: max_model_len is what one
+    request may carry (prompt + new tokens), the figure vLLM-style clients size prompts by."""
+    cfg = rt.settings
+    return {"id": name, "object": "model", "created": 0, "owned_by": "linstream",
+            "mixers": list(e.model.cfg.layer_mixers), "parameters": e.model.num_params(),
+            "fingerprint": e.model.fingerprint, "vocab_size": e.model.cfg.vocab_size,
+            "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens, "max_prompt_tokens": cfg.max_prompt_tokens,
+            "max_new_tokens": cfg.max_new_tokens, "state_bytes": e.empty.row_nbytes(0), **footprint(e.model)}
 
 
 @router.get("/models")
 async def models(rt: RT, owner: Owner):
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "linstream",
-         "mixers": list(e.model.cfg.layer_mixers), "parameters": e.model.num_params(),
-         "fingerprint": e.model.fingerprint, **footprint(e.model)} for name, e in rt.engines.items()]}
+    return {"object": "list", "data": [model_card(rt, name, e) for name, e in rt.engines.items()]}

@@ -92,7 +92,7 @@ async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
     eng = rt.engines[s.model]
     if req.stream:
         return sse_response(sse(job, eng, s, rt), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s,
-                            lambda: let_go(job, eng, s, rt))
+                            lambda: let_go(job, eng, s, rt), rt.settings.sse_ping_s)
     return await collect(job, eng, s, rt)
 
 
