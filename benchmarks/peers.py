@@ -1,0 +1,192 @@
+"""linstream beside its peers on one machine: llama.cpp (through llama-cpp-python, the registry
+package that builds llama.cpp from the source it bundles) and transformers' MambaForCausalLM,
+measured the way issue 13's table is, one compute thread each. Prints the table with a column
+per system and writes JSON and a plot.
+
+    pip install -e '.[bench]'
+    python benchmarks/peers.py                # about 4 minutes on 2 cores; --quick about 1.5
+    python benchmarks/peers.py --serve-arg=--store --serve-arg=memory   # extra `linstream serve` flags
+
+llama.cpp runs a random-weight Mamba-1 GGUF of the shipped `mamba` shape (see peers_gguf.py for
+why it has 6 mixer-only layers, and for its tokenizer); linstream serves its shipped `mamba`. The
+same 6-layer network also runs in linstream and transformers, which is how the three are checked
+to compute the same logits. llama.cpp's server here is llama-cpp-python's Python/FastAPI server,
+not the C++ `llama-server` the issue measured; the issue's C++ figures are quoted under
+`reference`, not measured here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers_gguf  # noqa: E402
+import peers_hf  # noqa: E402
+import peers_http  # noqa: E402
+import peers_llama  # noqa: E402
+import peers_report  # noqa: E402
+from clients.local_server import LocalServer  # noqa: E402
+from model.bench import state_at, time_steps  # noqa: E402  (the decode path linstream's engine uses)
+from model.generate import decode, prefill  # noqa: E402
+from model.lm import LM  # noqa: E402
+from model.tokenizer import Tokenizer  # noqa: E402
+
+REFERENCE = {
+    "source": "quoted from issue 13, NOT measured here: llama.cpp built from source at commit 3f545bec, "
+              "`llama-bench` tg128 and the C++ `llama-server`, same random-weight Mamba-1 shape, one quiet 2-core machine",
+    "in_process_ms_per_token": 0.47, "sse_gap_ms": 0.56, "tokens_per_s": {"8": 2113, "64": 2101},
+}
+PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
+
+
+def in_process(lm_shipped: LM, twin: LM, llm, hf, context: int, steps: int) -> dict:
+    ctx = [random.Random(0).randrange(twin.cfg.vocab_size) for _ in range(context)]
+    res = {"context": context, "steps": steps}
+    for name, lm in (("linstream", lm_shipped), ("linstream_twin", twin)):
+        ts = time_steps(lm, state_at(lm, context), steps)
+        ts.sort()
+        res[name] = {"ms_median": 1000 * ts[len(ts) // 2], "ms_p99": 1000 * ts[min(len(ts) - 1, int(0.99 * len(ts)))],
+                     "parameters": lm.num_params()}
+    if llm is not None:
+        res["llama_cpp"] = peers_llama.decode_ms(llm, ctx, steps)
+    if hf is not None:
+        res["transformers"] = peers_hf.generate_ms(hf, ctx, min(steps, 128))
+    return res
+
+
+def agreement(twin: LM, llm, hf, tok: Tokenizer) -> dict:
+    """The same network in each engine: max |logit difference| over a prompt and 16 single steps,
+    and whether greedy picks agree; and whether llama.cpp tokenizes the prompt as linstream does."""
+    prompt = tok.encode(PROMPT)
+    follow = [random.Random(1).randrange(twin.cfg.vocab_size) for _ in range(16)]
+    state = prefill(twin, prompt, twin.init_state(1))
+    ours = [state.next_logits[0]]
+    for t in follow:
+        logits, state = decode(twin, torch.tensor([t]), state)
+        ours.append(logits[0])
+    res = {"prompt_tokens": len(prompt), "single_steps": len(follow)}
+    for name, trace in (("llama_cpp", llm and peers_llama.logits_trace(llm, prompt, follow)),
+                        ("transformers", hf and peers_hf.logits_trace(hf, prompt, follow))):
+        if trace is None:
+            continue
+        theirs = [torch.as_tensor(x).float() for x in trace]
+        res[name] = {"max_abs_logit_diff": max(float((a - b).abs().max()) for a, b in zip(ours, theirs)),
+                     "greedy_tokens_equal": all(int(a.argmax()) == int(b.argmax()) for a, b in zip(ours, theirs))}
+    if llm is not None:
+        res["llama_cpp"]["tokenization_equal"] = peers_llama.tokenize(llm, PROMPT) == prompt
+    return res
+
+
+def over_http(a, gguf: Path, workdir: Path, levels: list[int], llama_error: str | None) -> dict:
+    res = {"prompt": PROMPT, "max_tokens": a.tokens, "duration_s": a.duration, "levels": levels}
+    store = ["--store", f"disk:{workdir / 'store'}"]  # the default kind of store, somewhere disposable
+    srv = LocalServer(["mamba"], None, *store, *a.serve_arg, threads=1)
+    try:
+        res["linstream"] = peers_http.linstream_levels(srv.url, "mamba", PROMPT, a.tokens, levels, a.duration)
+    finally:
+        srv.stop()
+    if llama_error is not None:
+        return res
+    try:
+        srv = peers_llama.LlamaServer(gguf, workdir / "llama_server.log")
+    except RuntimeError as e:
+        res["llama_cpp_error"] = str(e)
+        print(f"  {e}", flush=True)
+        return res
+    try:
+        res["llama_cpp"] = peers_http.llama_levels(srv.url, PROMPT, a.tokens, levels, a.duration)
+    finally:
+        srv.stop()
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer steps and shorter levels (about 1.5 minutes)")
+    ap.add_argument("--context", type=int, default=128, help="tokens in the state before timed decoding")
+    ap.add_argument("--steps", type=int, default=300, help="timed single-token steps in process")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per streamed generation")
+    ap.add_argument("--levels", default="1,8,64", help="concurrent clients, comma-separated")
+    ap.add_argument("--duration", type=float, default=15.0, help="seconds per concurrency level")
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra `linstream serve` argument (repeat)")
+    ap.add_argument("--out", default="benchmarks/results/peers")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.steps, a.duration = 100, 5.0
+    levels = [int(x) for x in a.levels.split(",")]
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    workdir = Path(tempfile.mkdtemp(prefix="linstream-peers-"))
+    t_start = time.perf_counter()
+
+    twin = peers_gguf.twin_model(seed=0)
+    gguf = peers_gguf.write_gguf(twin, peers_gguf.WEIGHTS / "tokenizer.json", workdir / "mamba-peer-f32.gguf")
+    print(f"peer model: {gguf} ({twin.num_params():,} parameters, {peers_gguf.TWIN_LAYERS} mixer-only Mamba layers)")
+    llama_error, hf_error = peers_llama.why_unavailable(), peers_hf.why_unavailable()
+    llm = hf = None
+    if llama_error is None:
+        try:
+            llm = peers_llama.load(gguf)
+        except Exception as e:  # llama.cpp refusing the GGUF is a result to report, not a crash
+            llama_error = f"llama.cpp could not load the GGUF: {type(e).__name__}: {e}"
+    if hf_error is None:
+        hf = peers_hf.to_transformers(twin)
+    for err in (llama_error, hf_error):
+        if err:
+            print("  " + err)
+
+    print("in-process decode, batch 1, one thread ...", flush=True)
+    inproc = in_process(LM.load(peers_gguf.WEIGHTS), twin, llm, hf, a.context, a.steps)
+    agree = agreement(twin, llm, hf, Tokenizer(peers_gguf.WEIGHTS / "tokenizer.json"))
+    print("  agreement with linstream on the same network: " + json.dumps({k: v for k, v in agree.items()
+                                                                            if isinstance(v, dict)}))
+    del llm  # the server below loads its own copy
+    print(f"over HTTP: {levels} concurrent clients, each repeating create -> generate {a.tokens} -> delete ...",
+          flush=True)
+    http = over_http(a, gguf, workdir, levels, llama_error)
+    out = {"command": "python " + " ".join(sys.argv), "machine": machine(), "versions": versions(),
+           "peer_model": {"layers": peers_gguf.TWIN_LAYERS, "parameters": twin.num_params(), "dtype": "f32",
+                          "tokenizer": "linstream's byte-level BPE (2,048 tokens, merges, GPT-2 pre-tokenizer); "
+                                       "EOS = token 2047, forbidden by min_tokens"},
+           "in_process": inproc, "agreement": agree, "http": http,
+           "errors": {k: v for k, v in (("llama_cpp", llama_error), ("transformers", hf_error)) if v},
+           "reference": REFERENCE, "seconds": round(time.perf_counter() - t_start, 1)}
+    rows = peers_report.table_rows(out)
+    print(peers_report.render(rows, out))
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    out["table"] = rows
+    Path(a.out + ".json").write_text(json.dumps(out, indent=2) + "\n")
+    peers_report.plot(out, a.out + ".png")
+    subprocess.run(["rm", "-rf", str(workdir)])
+    print(f"wrote {a.out}.json and {a.out}.png in {out['seconds']:.0f} s")
+
+
+def machine() -> dict:
+    info = Path("/proc/cpuinfo")
+    names = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")] \
+        if info.exists() else []
+    return {"cpu": names[0] if names else platform.machine(), "cores": os.cpu_count(), "threads_per_system": 1}
+
+
+def versions() -> dict:
+    v = {"python": platform.python_version(), "torch": torch.__version__}
+    if peers_llama.why_unavailable() is None:
+        v["llama_cpp_python"] = peers_llama.version()
+    if peers_hf.why_unavailable() is None:
+        import transformers
+        v["transformers"] = transformers.__version__
+    return v
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The table and the plot of benchmarks/peers.py, from its JSON."""
+from __future__ import annotations
+
+SYSTEMS = (("llama_cpp", "llama.cpp (llama-cpp-python)"), ("linstream", "linstream `mamba`"),
+           ("transformers", "transformers Mamba"))
+
+
+def _level(http: dict, system: str, conc: int) -> dict | None:
+    return next((r for r in http.get(system) or [] if r["concurrency"] == conc), None)
+
+
+def table_rows(out: dict) -> list[dict]:
+    """One dict per figure: a value per system (None where it does not apply or failed), the
+    issue's C++ llama.cpp figure where it quoted one, and the unit."""
+    ip, http, n = out["in_process"], out["http"], out["http"]["max_tokens"]
+    get = lambda d, *ks: None if d is None else (d.get(ks[0]) if len(ks) == 1 else get(d.get(ks[0]), *ks[1:]))  # noqa: E731
+    rows = [
+        {"figure": "in-process decode, batch 1 (llama_decode / LM.step)", "unit": "ms/token",
+         "llama_cpp": get(ip, "llama_cpp", "ms_median"), "linstream": get(ip, "linstream", "ms_median"),
+         "transformers": None, "reference": out["reference"]["in_process_ms_per_token"]},
+        {"figure": f"in-process decode, the same {out['peer_model']['layers']}-layer network in each "
+                   "(transformers: greedy generate)", "unit": "ms/token",
+         "llama_cpp": get(ip, "llama_cpp", "ms_median"), "linstream": get(ip, "linstream_twin", "ms_median"),
+         "transformers": get(ip, "transformers", "ms_per_token"), "reference": None},
+    ]
+    if 1 in http["levels"]:
+        rows.append({"figure": "one SSE stream, median inter-token gap", "unit": "ms",
+                     "llama_cpp": get(_level(http, "llama_cpp", 1), "itl_ms", "p50"),
+                     "linstream": get(_level(http, "linstream", 1), "itl_ms", "p50"),
+                     "transformers": None, "reference": out["reference"]["sse_gap_ms"]})
+    for c in http["levels"]:
+        rows.append({"figure": f"aggregate, {c} concurrent stream{'s' * (c > 1)} (create -> generate {n} -> delete, "
+                               "over and over)", "unit": "tok/s",
+                     "llama_cpp": get(_level(http, "llama_cpp", c), "tokens_per_s"),
+                     "linstream": get(_level(http, "linstream", c), "tokens_per_s"),
+                     "transformers": None, "reference": out["reference"]["tokens_per_s"].get(str(c))})
+    for r in rows:
+        r["systems"] = [k for k, _ in SYSTEMS if k != "transformers" or "same" in r["figure"]]
+        r["linstream_vs_llama_cpp"] = ratio(r)
+    return rows
+
+
+def ratio(r: dict) -> str | None:
+    a, b = r["linstream"], r["llama_cpp"]
+    if not a or not b:
+        return None
+    if r["unit"] == "tok/s":
+        return f"{a / b:.2f}x"
+    return f"{a / b:.1f}x slower" if a > b else f"{b / a:.1f}x faster"
+
+
+def _cell(v, unit: str, failed: bool) -> str:
+    if v is None:
+        return "failed" if failed else "-"
+    return f"{v:,.0f} tok/s" if unit == "tok/s" else f"{v:.3f} {unit.split('/')[0]}"
+
+
+def render(rows: list[dict], out: dict) -> str:
+    errs = out["errors"] | ({"llama_cpp": out["http"]["llama_cpp_error"]} if out["http"].get("llama_cpp_error") else {})
+    head = ["figure", *[name for _, name in SYSTEMS], "linstream vs llama.cpp", "llama.cpp C++ (issue 13, quoted)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        cells = [r["figure"]]
+        cells += [_cell(r[key], r["unit"], key in errs and key in r["systems"]) for key, _ in SYSTEMS]
+        cells += [r["linstream_vs_llama_cpp"] or "", _cell(r["reference"], r["unit"], False) if r["reference"] else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    agree = out["agreement"]
+    notes = ["", f"machine: {out['machine']['cpu']}, {out['machine']['cores']} cores, one compute thread per system; "
+                 f"versions {out['versions']}",
+             f"peer model: random-weight Mamba-1, {out['peer_model']['layers']} mixer-only layers, "
+             f"{out['peer_model']['parameters']:,} parameters, f32 (linstream `mamba`: "
+             f"{out['in_process']['linstream']['parameters']:,}); tokenizer: {out['peer_model']['tokenizer']}",
+             "llama.cpp over HTTP is llama-cpp-python's Python server (`python -m llama_cpp.server`), which runs one "
+             "request at a time (the rest queue); the issue measured the C++ `llama-server`.",
+             "same network, linstream vs each: " + "; ".join(
+                 f"{k}: max |logit diff| {v['max_abs_logit_diff']:.2e}, greedy equal {v['greedy_tokens_equal']}"
+                 + (f", tokenization equal {v['tokenization_equal']}" if "tokenization_equal" in v else "")
+                 for k, v in agree.items() if isinstance(v, dict))]
+    notes += [f"{k} FAILED: {v}" for k, v in errs.items()]
+    return "\n".join(lines + notes)
+
+
+def plot(out: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = out["table"]
+    lat = [r for r in rows if r["unit"] != "tok/s"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    w = 0.2
+    for i, (key, name) in enumerate([*SYSTEMS, ("reference", "llama.cpp C++ (issue 13, quoted)")]):
+        xs = [j + (i - 1.5) * w for j, r in enumerate(lat) if r[key]]
+        a.bar(xs, [r[key] for r in lat if r[key]], w, label=name, hatch="//" if key == "reference" else None,
+              color=f"C{i}", alpha=0.6 if key == "reference" else 1.0)
+    a.set_xticks(range(len(lat)), ["in-process\n(shipped mamba)", "in-process\n(same network)", "one SSE stream\ngap"][:len(lat)])
+    a.set_ylabel("ms per token (median)")
+    a.set_title("Per-token latency, batch 1, one thread")
+    a.legend(fontsize=8)
+    a.grid(True, axis="y", alpha=0.3)
+    http = out["http"]
+    for i, (key, name) in enumerate(SYSTEMS[:2]):
+        lv = http.get(key) or []
+        if lv:
+            b.plot([r["concurrency"] for r in lv], [r["tokens_per_s"] for r in lv], "o-", color=f"C{i}", label=name)
+    ref = out["reference"]["tokens_per_s"]
+    b.plot([int(k) for k in ref], list(ref.values()), "s--", color="C3", alpha=0.6, label="llama.cpp C++ server (issue 13, quoted)")
+    b.set_xscale("log", base=2)
+    b.set_xlabel(f"concurrent clients (create -> generate {http['max_tokens']} -> delete)")
+    b.set_ylabel("aggregate tokens / s")
+    b.set_title("Throughput over HTTP")
+    b.legend(fontsize=8)
+    b.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
