@@ -4,7 +4,7 @@ measured the way issue 13's table is, one compute thread each. Prints the table 
 per system and writes JSON and a plot.
 
     pip install -e '.[bench]'
-    python benchmarks/peers.py                # about 4 minutes on 2 cores; --quick about 1.5
+    python benchmarks/peers.py                # about 3 minutes on 2 cores; --quick about 1.5
     python benchmarks/peers.py --serve-arg=--store --serve-arg=memory   # extra `linstream serve` flags
 
 llama.cpp runs a random-weight Mamba-1 GGUF of the shipped `mamba` shape (see peers_gguf.py for
@@ -21,7 +21,8 @@ import json
 import os
 import platform
 import random
-import subprocess
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -36,6 +37,7 @@ import peers_http  # noqa: E402
 import peers_llama  # noqa: E402
 import peers_report  # noqa: E402
 from clients.local_server import LocalServer  # noqa: E402
+from clients.stats import pct  # noqa: E402
 from model.bench import state_at, time_steps  # noqa: E402  (the decode path linstream's engine uses)
 from model.generate import decode, prefill  # noqa: E402
 from model.lm import LM  # noqa: E402
@@ -49,17 +51,23 @@ REFERENCE = {
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 
 
-def in_process(lm_shipped: LM, twin: LM, llm, hf, context: int, steps: int) -> dict:
+def in_process(lm_shipped: LM, twin: LM, llm, hf, context: int, steps: int, rounds: int = 5) -> dict:
+    """ms per single-token step at batch 1. The systems take turns, `rounds` times, so a burst of
+    load on the machine falls on all of them rather than on one."""
     ctx = [random.Random(0).randrange(twin.cfg.vocab_size) for _ in range(context)]
-    res = {"context": context, "steps": steps}
-    for name, lm in (("linstream", lm_shipped), ("linstream_twin", twin)):
-        ts = time_steps(lm, state_at(lm, context), steps)
-        ts.sort()
-        res[name] = {"ms_median": 1000 * ts[len(ts) // 2], "ms_p99": 1000 * ts[min(len(ts) - 1, int(0.99 * len(ts)))],
-                     "parameters": lm.num_params()}
+    timers = {"linstream": lambda n: time_steps(lm_shipped, state_at(lm_shipped, context), n),
+              "linstream_twin": lambda n: time_steps(twin, state_at(twin, context), n)}
     if llm is not None:
-        res["llama_cpp"] = peers_llama.decode_ms(llm, ctx, steps)
-    if hf is not None:
+        timers["llama_cpp"] = lambda n: peers_llama.decode_times(llm, ctx, n)
+    times = {k: [] for k in timers}
+    for _ in range(rounds):
+        for k, timer in timers.items():
+            times[k] += timer(max(1, steps // rounds))
+    res = {"context": context, "steps": len(times["linstream"]), "rounds": rounds}
+    for k, ts in times.items():
+        res[k] = {"ms_median": 1000 * statistics.median(ts), "ms_p99": 1000 * pct(ts, 0.99)}
+    res["linstream"]["parameters"], res["linstream_twin"]["parameters"] = lm_shipped.num_params(), twin.num_params()
+    if hf is not None:  # tens of times slower: timed once, after the others
         res["transformers"] = peers_hf.generate_ms(hf, ctx, min(steps, 128))
     return res
 
@@ -88,25 +96,40 @@ def agreement(twin: LM, llm, hf, tok: Tokenizer) -> dict:
 
 
 def over_http(a, gguf: Path, workdir: Path, levels: list[int], llama_error: str | None) -> dict:
-    res = {"prompt": PROMPT, "max_tokens": a.tokens, "duration_s": a.duration, "levels": levels}
+    """Both servers up side by side, taking turns level by level, so that load from elsewhere on
+    the machine does not fall on one system's whole series."""
+    res = {"prompt": PROMPT, "max_tokens": a.tokens, "duration_s": a.duration, "levels": levels,
+           "linstream": [], "llama_cpp": [],
+           "llama_cpp_server": "llama-cpp-python's server runs one request at a time on its one model; "
+                               "the others wait on its lock (interrupt_requests off, else a new request "
+                               "would cut the stream in flight short)"}
     store = ["--store", f"disk:{workdir / 'store'}"]  # the default kind of store, somewhere disposable
-    srv = LocalServer(["mamba"], None, *store, *a.serve_arg, threads=1)
+    lin, llama = LocalServer(["mamba"], None, *store, *a.serve_arg, threads=1), None
     try:
-        res["linstream"] = peers_http.linstream_levels(srv.url, "mamba", PROMPT, a.tokens, levels, a.duration)
+        if llama_error is None:
+            try:
+                llama = peers_llama.LlamaServer(gguf, workdir / "llama_server.log")
+            except RuntimeError as e:
+                res["llama_cpp_error"] = str(e)
+                print(f"  {e}", flush=True)
+        # one stream, greedy and twice as long, as `linstream bench latency` measures the gap
+        res["single_stream"] = {"max_tokens": 2 * a.tokens, "sampling": peers_http.GREEDY}
+        print(f"  one stream, greedy, {2 * a.tokens} tokens:", flush=True)
+        res["single_stream"]["linstream"] = peers_http.linstream_levels(
+            lin.url, "mamba", PROMPT, 2 * a.tokens, [1], a.duration / 2, peers_http.GREEDY)[0]
+        if llama is not None:
+            res["single_stream"]["llama_cpp"] = peers_http.llama_levels(
+                llama.url, PROMPT, 2 * a.tokens, [1], a.duration / 2, peers_http.GREEDY)[0]
+        res["sampling"] = peers_http.SAMPLING
+        print(f"  concurrent streams, sampled {peers_http.SAMPLING}, {a.tokens} tokens each:", flush=True)
+        for conc in levels:
+            res["linstream"] += peers_http.linstream_levels(lin.url, "mamba", PROMPT, a.tokens, [conc], a.duration)
+            if llama is not None:
+                res["llama_cpp"] += peers_http.llama_levels(llama.url, PROMPT, a.tokens, [conc], a.duration)
     finally:
-        srv.stop()
-    if llama_error is not None:
-        return res
-    try:
-        srv = peers_llama.LlamaServer(gguf, workdir / "llama_server.log")
-    except RuntimeError as e:
-        res["llama_cpp_error"] = str(e)
-        print(f"  {e}", flush=True)
-        return res
-    try:
-        res["llama_cpp"] = peers_http.llama_levels(srv.url, PROMPT, a.tokens, levels, a.duration)
-    finally:
-        srv.stop()
+        lin.stop()
+        if llama is not None:
+            llama.stop()
     return res
 
 
@@ -119,6 +142,7 @@ def main(argv=None):
     ap.add_argument("--levels", default="1,8,64", help="concurrent clients, comma-separated")
     ap.add_argument("--duration", type=float, default=15.0, help="seconds per concurrency level")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `linstream serve` argument (repeat)")
+    ap.add_argument("--gguf", help="keep the peer model's GGUF at this path (default: a temporary file)")
     ap.add_argument("--out", default="benchmarks/results/peers")
     a = ap.parse_args(argv)
     if a.quick:
@@ -127,10 +151,18 @@ def main(argv=None):
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     workdir = Path(tempfile.mkdtemp(prefix="linstream-peers-"))
+    try:
+        run(a, levels, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run(a, levels: list[int], workdir: Path) -> None:
     t_start = time.perf_counter()
 
     twin = peers_gguf.twin_model(seed=0)
-    gguf = peers_gguf.write_gguf(twin, peers_gguf.WEIGHTS / "tokenizer.json", workdir / "mamba-peer-f32.gguf")
+    gguf = Path(a.gguf) if a.gguf else workdir / "mamba-peer-f32.gguf"
+    peers_gguf.write_gguf(twin, peers_gguf.WEIGHTS / "tokenizer.json", gguf)
     print(f"peer model: {gguf} ({twin.num_params():,} parameters, {peers_gguf.TWIN_LAYERS} mixer-only Mamba layers)")
     llama_error, hf_error = peers_llama.why_unavailable(), peers_hf.why_unavailable()
     llm = hf = None
@@ -167,7 +199,6 @@ def main(argv=None):
     out["table"] = rows
     Path(a.out + ".json").write_text(json.dumps(out, indent=2) + "\n")
     peers_report.plot(out, a.out + ".png")
-    subprocess.run(["rm", "-rf", str(workdir)])
     print(f"wrote {a.out}.json and {a.out}.png in {out['seconds']:.0f} s")
 
 

@@ -13,9 +13,10 @@ from model.lm import LM
 
 def why_unavailable() -> str | None:
     try:
-        import transformers  # noqa: F401
+        import transformers
     except Exception as e:
         return f"transformers unavailable: {type(e).__name__}: {e}"
+    transformers.logging.set_verbosity_error()  # it warns, per call, that mamba_ssm's CUDA kernels are absent
     return None
 
 

@@ -5,7 +5,6 @@ not the C++ `llama-server`) in a subprocess.
 """
 from __future__ import annotations
 
-import statistics
 import subprocess
 import sys
 import time
@@ -15,7 +14,6 @@ import httpx
 import numpy as np
 
 from clients.local_server import free_port
-from clients.stats import pct
 
 
 def why_unavailable() -> str | None:
@@ -49,9 +47,9 @@ def _decode(llm, tokens: list[int]) -> np.ndarray:
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
 
 
-def decode_ms(llm, context: list[int], steps: int, warmup: int = 5) -> dict:
-    """ms per llama_decode of one token after a `context`-token prompt (what `llama-bench` tg
-    measures, here through ctypes: a few microseconds more per call)."""
+def decode_times(llm, context: list[int], steps: int, warmup: int = 5) -> list[float]:
+    """Seconds per llama_decode of one token after a `context`-token prompt (what `llama-bench`
+    tg measures, here through ctypes: a few microseconds more per call)."""
     import llama_cpp
     llm.reset()
     _decode(llm, context)
@@ -66,7 +64,7 @@ def decode_ms(llm, context: list[int], steps: int, warmup: int = 5) -> dict:
             raise RuntimeError(f"llama_decode returned {rc}")
         if i >= warmup:
             ts.append(dt)
-    return {"ms_median": 1000 * statistics.median(ts), "ms_p99": 1000 * pct(ts, 0.99), "steps": steps}
+    return ts
 
 
 def logits_trace(llm, prompt: list[int], follow: list[int]) -> list[np.ndarray]:

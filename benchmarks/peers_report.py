@@ -23,14 +23,16 @@ def table_rows(out: dict) -> list[dict]:
          "llama_cpp": get(ip, "llama_cpp", "ms_median"), "linstream": get(ip, "linstream_twin", "ms_median"),
          "transformers": get(ip, "transformers", "ms_per_token"), "reference": None},
     ]
-    if 1 in http["levels"]:
-        rows.append({"figure": "one SSE stream, median inter-token gap", "unit": "ms",
-                     "llama_cpp": get(_level(http, "llama_cpp", 1), "itl_ms", "p50"),
-                     "linstream": get(_level(http, "linstream", 1), "itl_ms", "p50"),
-                     "transformers": None, "reference": out["reference"]["sse_gap_ms"]})
+    one = http.get("single_stream", {})
+    rows += [{"figure": f"one SSE stream ({one.get('max_tokens')} tokens, greedy), median inter-token gap", "unit": "ms",
+              "llama_cpp": get(one, "llama_cpp", "itl_ms", "p50"), "linstream": get(one, "linstream", "itl_ms", "p50"),
+              "transformers": None, "reference": out["reference"]["sse_gap_ms"]},
+             {"figure": "one SSE stream, mean time per token (first token to last)", "unit": "ms",
+              "llama_cpp": get(one, "llama_cpp", "gap_mean_ms"), "linstream": get(one, "linstream", "gap_mean_ms"),
+              "transformers": None, "reference": None}]
     for c in http["levels"]:
         rows.append({"figure": f"aggregate, {c} concurrent stream{'s' * (c > 1)} (create -> generate {n} -> delete, "
-                               "over and over)", "unit": "tok/s",
+                               "over and over; sampled)", "unit": "tok/s",
                      "llama_cpp": get(_level(http, "llama_cpp", c), "tokens_per_s"),
                      "linstream": get(_level(http, "linstream", c), "tokens_per_s"),
                      "transformers": None, "reference": out["reference"]["tokens_per_s"].get(str(c))})
@@ -72,12 +74,25 @@ def render(rows: list[dict], out: dict) -> str:
              f"{out['in_process']['linstream']['parameters']:,}); tokenizer: {out['peer_model']['tokenizer']}",
              "llama.cpp over HTTP is llama-cpp-python's Python server (`python -m llama_cpp.server`), which runs one "
              "request at a time (the rest queue); the issue measured the C++ `llama-server`.",
+             f"streams under load sample with {out['http'].get('sampling')}; llama.cpp's requests add top_k 0, min_p 0, "
+             "repeat_penalty 1 (its sampler's defaults would add work linstream does not do) and min_tokens = max_tokens",
+             *bursts(out["http"]),
              "same network, linstream vs each: " + "; ".join(
                  f"{k}: max |logit diff| {v['max_abs_logit_diff']:.2e}, greedy equal {v['greedy_tokens_equal']}"
                  + (f", tokenization equal {v['tokenization_equal']}" if "tokenization_equal" in v else "")
                  for k, v in agree.items() if isinstance(v, dict))]
     notes += [f"{k} FAILED: {v}" for k, v in errs.items()]
     return "\n".join(lines + notes)
+
+
+def bursts(http: dict) -> list[str]:
+    """A line for each measurement whose events came in bursts: mean time per token well above the
+    median gap (tokens held back, then sent together), where the median gap misleads."""
+    runs = [(f"one stream, {k}", http.get("single_stream", {}).get(k)) for k, _ in SYSTEMS[:2]]
+    runs += [(f"{r['concurrency']} streams, {k}", r) for k, _ in SYSTEMS[:2] for r in http.get(k) or []]
+    return [f"{name}: bursts (median gap {r['itl_ms']['p50']:.3f} ms, mean per token {r['gap_mean_ms']:.3f} ms; "
+            f"{r['tokens']:,} tokens in {r['events']:,} events): read the mean" for name, r in runs
+            if r and r["gap_mean_ms"] and r["itl_ms"]["p50"] and r["gap_mean_ms"] > 2 * r["itl_ms"]["p50"]]
 
 
 def plot(out: dict, path: str) -> None:
@@ -92,7 +107,8 @@ def plot(out: dict, path: str) -> None:
         xs = [j + (i - 1.5) * w for j, r in enumerate(lat) if r[key]]
         a.bar(xs, [r[key] for r in lat if r[key]], w, label=name, hatch="//" if key == "reference" else None,
               color=f"C{i}", alpha=0.6 if key == "reference" else 1.0)
-    a.set_xticks(range(len(lat)), ["in-process\n(shipped mamba)", "in-process\n(same network)", "one SSE stream\ngap"][:len(lat)])
+    a.set_xticks(range(len(lat)), ["in-process\n(shipped mamba)", "in-process\n(same network)", "one SSE stream\nmedian gap",
+                                   "one SSE stream\nmean per token"][:len(lat)])
     a.set_ylabel("ms per token (median)")
     a.set_title("Per-token latency, batch 1, one thread")
     a.legend(fontsize=8)
