@@ -10,13 +10,14 @@ network runs in linstream, llama.cpp and transformers and their logits can be co
 
 The GGUF carries linstream's own byte-level BPE tokenizer (2,048 tokens and their merges, the
 GPT-2 pre-tokenizer), so both servers turn a prompt into the same tokens. linstream has no
-end-of-text token; llama.cpp requires one, so the last token id is named EOS and the benchmark
-asks for a minimum length that forbids it.
+end-of-text token; llama.cpp requires one, so the last token id is named EOS and the benchmark's
+requests forbid it.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from model.lm import LM
 
 WEIGHTS = Path(__file__).resolve().parent.parent / "model" / "weights" / "mamba"
 TWIN_LAYERS = 6
+EOS = 2047  # llama.cpp needs an end-of-text token; linstream's vocabulary has none, so its last token
 
 
 def twin_config(weights: Path = WEIGHTS) -> ModelConfig:
@@ -37,7 +39,9 @@ def twin_config(weights: Path = WEIGHTS) -> ModelConfig:
 
 def twin_model(seed: int = 0, weights: Path = WEIGHTS) -> LM:
     torch.manual_seed(seed)
-    return LM(twin_config(weights)).eval()
+    with warnings.catch_warnings():  # the empty MLP is meant: torch warns that initialising it does nothing
+        warnings.filterwarnings("ignore", "Initializing zero-element tensors")
+        return LM(twin_config(weights)).eval()
 
 
 def _tensors(lm: LM):
@@ -96,8 +100,8 @@ def write_gguf(lm: LM, tokenizer_json: Path, out: Path) -> Path:
     w.add_token_list([t for t, _ in vocab])
     w.add_token_types([gguf.TokenType.NORMAL] * len(vocab))
     w.add_token_merges(merges)
-    w.add_bos_token_id(cfg.vocab_size - 1)
-    w.add_eos_token_id(cfg.vocab_size - 1)
+    w.add_bos_token_id(EOS)
+    w.add_eos_token_id(EOS)
     w.add_add_bos_token(False)
     w.add_add_eos_token(False)
     for name, arr in _tensors(lm):

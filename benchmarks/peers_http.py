@@ -43,14 +43,14 @@ def linstream_cycle(c: AsyncClient, model: str, prompt: str, m: int, sampling: d
     return cycle
 
 
-def llama_cycle(c: httpx.AsyncClient, prompt: str, m: int, sampling: dict) -> Cycle:
-    """min_tokens = max_tokens forbids the end-of-text token, so every request streams m tokens
-    like linstream's. The server holds back a token that ends inside a UTF-8 character and sends
-    it with the next (with random weights and sampling, often many: its test looks at the last
-    three bytes of the whole text), so an event can carry several tokens; the count comes from
-    finish_reason."""
-    body = {"prompt": prompt, "max_tokens": m, "min_tokens": m, "stream": True, "top_k": 0, "min_p": 0.0,
-            "repeat_penalty": 1.0, **sampling}
+def llama_cycle(c: httpx.AsyncClient, prompt: str, m: int, sampling: dict, extra: dict) -> Cycle:
+    """`extra` carries a logit_bias that forbids the end-of-text token, so that every request
+    streams m tokens like linstream's. (Not min_tokens: given both, llama-cpp-python 0.3.36 drops
+    both processors, as LogitsProcessorList.extend returns None.) The server holds back a token
+    that ends inside a UTF-8 character and sends it with the next, so an event can carry several
+    tokens; the count comes from finish_reason."""
+    body = {"prompt": prompt, "max_tokens": m, "stream": True, "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0,
+            **sampling, **extra}
 
     async def cycle(stamps: list) -> int:
         finish, events = None, 0
@@ -119,9 +119,9 @@ def linstream_levels(url: str, model: str, prompt: str, m: int, levels: list[int
 
 
 def llama_levels(url: str, prompt: str, m: int, levels: list[int], duration: float,
-                 sampling: dict = SAMPLING) -> list[dict]:
+                 sampling: dict = SAMPLING, extra: dict | None = None) -> list[dict]:
     # a queued request may wait for every request ahead of it: no read timeout short of the run
     client = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=10),
                                limits=httpx.Limits(max_connections=max(levels) + 8))
-    return asyncio.run(_run_levels(client, lambda c: llama_cycle(c, prompt, m, sampling), levels, duration,
+    return asyncio.run(_run_levels(client, lambda c: llama_cycle(c, prompt, m, sampling, extra or {}), levels, duration,
                                    "llama.cpp"))

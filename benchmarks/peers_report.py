@@ -75,7 +75,9 @@ def render(rows: list[dict], out: dict) -> str:
              "llama.cpp over HTTP is llama-cpp-python's Python server (`python -m llama_cpp.server`), which runs one "
              "request at a time (the rest queue); the issue measured the C++ `llama-server`.",
              f"streams under load sample with {out['http'].get('sampling')}; llama.cpp's requests add top_k 0, min_p 0, "
-             "repeat_penalty 1 (its sampler's defaults would add work linstream does not do) and min_tokens = max_tokens",
+             "repeat_penalty 1 (its sampler's defaults would add work linstream does not do), and forbid (logit_bias) "
+             f"{out['http'].get('llama_cpp_forbidden_tokens')} tokens: end-of-text and the raw bytes that are not whole "
+             "UTF-8 characters (see llama_bias in peers.py)",
              *bursts(out["http"]),
              "same network, linstream vs each: " + "; ".join(
                  f"{k}: max |logit diff| {v['max_abs_logit_diff']:.2e}, greedy equal {v['greedy_tokens_equal']}"
