@@ -141,15 +141,32 @@ def over_http(a, gguf: Path, workdir: Path, levels: list[int], llama_error: str 
         res["sampling"] = peers_http.SAMPLING
         print(f"  concurrent streams, sampled {peers_http.SAMPLING}, {a.tokens} tokens each:", flush=True)
         for conc in levels:
-            res["linstream"] += peers_http.linstream_levels(lin.url, "mamba", PROMPT, a.tokens, [conc], a.duration)
+            res["linstream"].append(on_cpu(lin.proc.pid, lambda: peers_http.linstream_levels(
+                lin.url, "mamba", PROMPT, a.tokens, [conc], a.duration)[0]))
             if llama is not None:
-                res["llama_cpp"] += peers_http.llama_levels(llama.url, PROMPT, a.tokens, [conc], a.duration,
-                                                            peers_http.SAMPLING, extra)
+                res["llama_cpp"].append(on_cpu(llama.proc.pid, lambda: peers_http.llama_levels(
+                    llama.url, PROMPT, a.tokens, [conc], a.duration, peers_http.SAMPLING, extra)[0]))
     finally:
         lin.stop()
         if llama is not None:
             llama.stop()
     return res
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc; fields 14 and 15 of stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def on_cpu(pid: int, level) -> dict:
+    """Run a level and add the server's CPU time over it: tokens per server CPU-second holds
+    still when other work on a shared machine takes the cores away, which tokens/s does not."""
+    c0 = cpu_seconds(pid)
+    r = level()
+    r["server_cpu_s"] = round(cpu_seconds(pid) - c0, 3)
+    r["tokens_per_server_cpu_s"] = r["tokens"] / r["server_cpu_s"] if r["server_cpu_s"] else None
+    return r
 
 
 def main(argv=None):
@@ -189,7 +206,7 @@ def run(a, levels: list[int], workdir: Path) -> None:
         try:
             llm = peers_llama.load(gguf)
         except Exception as e:  # llama.cpp refusing the GGUF is a result to report, not a crash
-            llama_error = f"llama.cpp could not load the GGUF: {type(e).__name__}: {e}"
+            llama_error = f"llama.cpp could not load the GGUF: {type(e).__name__}: {e}: {peers_llama.load_error(gguf)}"
     if hf_error is None:
         hf = peers_hf.to_transformers(twin)
     for err in (llama_error, hf_error):
@@ -197,6 +214,7 @@ def run(a, levels: list[int], workdir: Path) -> None:
             print("  " + err)
 
     print("in-process decode, batch 1, one thread ...", flush=True)
+    load_at_start = os.getloadavg()[0]
     inproc = in_process(LM.load(peers_gguf.WEIGHTS), twin, llm, hf, a.context, a.steps)
     agree = agreement(twin, llm, hf, Tokenizer(peers_gguf.WEIGHTS / "tokenizer.json"))
     print("  agreement with linstream on the same network: " + json.dumps({k: v for k, v in agree.items()
@@ -205,7 +223,7 @@ def run(a, levels: list[int], workdir: Path) -> None:
     print(f"over HTTP: {levels} concurrent clients, each repeating create -> generate {a.tokens} -> delete ...",
           flush=True)
     http = over_http(a, gguf, workdir, levels, llama_error)
-    out = {"command": "python " + " ".join(sys.argv), "machine": machine(), "versions": versions(),
+    out = {"command": "python " + " ".join(sys.argv), "machine": machine() | {"load_average_1min_at_start": load_at_start}, "versions": versions(),
            "peer_model": {"layers": peers_gguf.TWIN_LAYERS, "parameters": twin.num_params(), "dtype": "f32",
                           "tokenizer": "linstream's byte-level BPE (2,048 tokens, merges, GPT-2 pre-tokenizer); "
                                        f"EOS = token {peers_gguf.EOS}, forbidden by logit_bias"},
@@ -225,7 +243,8 @@ def machine() -> dict:
     info = Path("/proc/cpuinfo")
     names = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")] \
         if info.exists() else []
-    return {"cpu": names[0] if names else platform.machine(), "cores": os.cpu_count(), "threads_per_system": 1}
+    return {"cpu": names[0] if names else platform.machine(), "cores": os.cpu_count(), "threads_per_system": 1,
+            "load_average_1min_at_end": os.getloadavg()[0]}
 
 
 def versions() -> dict:

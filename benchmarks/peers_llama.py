@@ -36,6 +36,16 @@ def load(gguf: Path, n_ctx: int = 4096):
     return Llama(model_path=str(gguf), n_threads=1, n_threads_batch=1, n_ctx=n_ctx, n_batch=512, verbose=False)
 
 
+def load_error(gguf: Path) -> str:
+    """Why llama.cpp refuses `gguf`, in its own words: Llama(verbose=False) says only 'Failed to
+    load model', so load it again in a child process with llama.cpp's log on, and keep the lines
+    that name the problem."""
+    code = "import sys; from llama_cpp import Llama; Llama(model_path=sys.argv[1], verbose=True)"
+    p = subprocess.run([sys.executable, "-c", code, str(gguf)], capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in p.stderr.splitlines() if any(w in ln.lower() for w in ("error", "fail", "exception"))]
+    return " | ".join(lines[-4:]) or p.stderr[-400:]
+
+
 def _decode(llm, tokens: list[int]) -> np.ndarray:
     """llama_decode of `tokens` as one batch; the logits of the last one, (V,)."""
     import llama_cpp

@@ -36,6 +36,11 @@ def table_rows(out: dict) -> list[dict]:
                      "llama_cpp": get(_level(http, "llama_cpp", c), "tokens_per_s"),
                      "linstream": get(_level(http, "linstream", c), "tokens_per_s"),
                      "transformers": None, "reference": out["reference"]["tokens_per_s"].get(str(c))})
+    for c in http["levels"]:
+        rows.append({"figure": f"  the same, {c} stream{'s' * (c > 1)}: tokens per server CPU-second", "unit": "tok/cpu-s",
+                     "llama_cpp": get(_level(http, "llama_cpp", c), "tokens_per_server_cpu_s"),
+                     "linstream": get(_level(http, "linstream", c), "tokens_per_server_cpu_s"),
+                     "transformers": None, "reference": None})
     for r in rows:
         r["systems"] = [k for k, _ in SYSTEMS if k != "transformers" or "same" in r["figure"]]
         r["linstream_vs_llama_cpp"] = ratio(r)
@@ -46,7 +51,7 @@ def ratio(r: dict) -> str | None:
     a, b = r["linstream"], r["llama_cpp"]
     if not a or not b:
         return None
-    if r["unit"] == "tok/s":
+    if r["unit"].startswith("tok/"):
         return f"{a / b:.2f}x"
     return f"{a / b:.1f}x slower" if a > b else f"{b / a:.1f}x faster"
 
@@ -54,7 +59,7 @@ def ratio(r: dict) -> str | None:
 def _cell(v, unit: str, failed: bool) -> str:
     if v is None:
         return "failed" if failed else "-"
-    return f"{v:,.0f} tok/s" if unit == "tok/s" else f"{v:.3f} {unit.split('/')[0]}"
+    return f"{v:,.0f} {unit}" if unit.startswith("tok/") else f"{v:.3f} {unit.split('/')[0]}"
 
 
 def render(rows: list[dict], out: dict) -> str:
@@ -67,7 +72,9 @@ def render(rows: list[dict], out: dict) -> str:
         cells += [r["linstream_vs_llama_cpp"] or "", _cell(r["reference"], r["unit"], False) if r["reference"] else ""]
         lines.append("| " + " | ".join(cells) + " |")
     agree = out["agreement"]
-    notes = ["", f"machine: {out['machine']['cpu']}, {out['machine']['cores']} cores, one compute thread per system; "
+    m = out["machine"]
+    notes = ["", f"machine: {m['cpu']}, {m['cores']} cores, one compute thread per system, 1-minute load average "
+                 f"{m['load_average_1min_at_start']:.1f} at the start and {m['load_average_1min_at_end']:.1f} at the end; "
                  f"versions {out['versions']}",
              f"peer model: random-weight Mamba-1, {out['peer_model']['layers']} mixer-only layers, "
              f"{out['peer_model']['parameters']:,} parameters, f32 (linstream `mamba`: "
@@ -83,6 +90,8 @@ def render(rows: list[dict], out: dict) -> str:
                  f"{k}: max |logit diff| {v['max_abs_logit_diff']:.2e}, greedy equal {v['greedy_tokens_equal']}"
                  + (f", tokenization equal {v['tokenization_equal']}" if "tokenization_equal" in v else "")
                  for k, v in agree.items() if isinstance(v, dict))]
+    notes += [f"{k} DISAGREES with linstream on the same network: its figures are not like for like" for k, v in agree.items()
+              if isinstance(v, dict) and (v["max_abs_logit_diff"] > 1e-3 or not v["greedy_tokens_equal"])]
     notes += [f"{k} FAILED: {v}" for k, v in errs.items()]
     return "\n".join(lines + notes)
 
@@ -102,8 +111,8 @@ def plot(out: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = out["table"]
-    lat = [r for r in rows if r["unit"] != "tok/s"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    lat = [r for r in rows if not r["unit"].startswith("tok/")]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(18, 4.8))
     w = 0.2
     for i, (key, name) in enumerate([*SYSTEMS, ("reference", "llama.cpp C++ (issue 13, quoted)")]):
         xs = [j + (i - 1.5) * w for j, r in enumerate(lat) if r[key]]
@@ -119,14 +128,18 @@ def plot(out: dict, path: str) -> None:
     for i, (key, name) in enumerate(SYSTEMS[:2]):
         lv = http.get(key) or []
         if lv:
-            b.plot([r["concurrency"] for r in lv], [r["tokens_per_s"] for r in lv], "o-", color=f"C{i}", label=name)
+            cs = [r["concurrency"] for r in lv]
+            b.plot(cs, [r["tokens_per_s"] for r in lv], "o-", color=f"C{i}", label=name)
+            c.plot(cs, [r.get("tokens_per_server_cpu_s") or 0 for r in lv], "o-", color=f"C{i}", label=name)
     ref = out["reference"]["tokens_per_s"]
     b.plot([int(k) for k in ref], list(ref.values()), "s--", color="C3", alpha=0.6, label="llama.cpp C++ server (issue 13, quoted)")
-    b.set_xscale("log", base=2)
-    b.set_xlabel(f"concurrent clients (create -> generate {http['max_tokens']} -> delete)")
-    b.set_ylabel("aggregate tokens / s")
-    b.set_title("Throughput over HTTP")
-    b.legend(fontsize=8)
-    b.grid(True, which="both", alpha=0.3)
+    for ax, title, yl in ((b, "Throughput over HTTP", "aggregate tokens / s"),
+                          (c, "Per server CPU-second (steady under outside load)", "tokens / server CPU-second")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(f"concurrent clients (create -> generate {http['max_tokens']} -> delete)")
+        ax.set_ylabel(yl)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
