@@ -28,7 +28,7 @@ from model.lm import LM
 
 WEIGHTS = Path(__file__).resolve().parent.parent / "model" / "weights" / "mamba"
 TWIN_LAYERS = 6
-EOS = 2047  # llama.cpp needs an end-of-text token; linstream's vocabulary has none, so its last token
+EOS = 2047  # llama.cpp needs an end-of-text token; linstream's vocabulary has none: its last token stands in
 
 
 def twin_config(weights: Path = WEIGHTS) -> ModelConfig:

@@ -9,11 +9,18 @@ def _level(http: dict, system: str, conc: int) -> dict | None:
     return next((r for r in http.get(system) or [] if r["concurrency"] == conc), None)
 
 
+def _get(d: dict | None, *keys):
+    """d[k1][k2]..., None where any step is missing."""
+    for k in keys:
+        d = None if d is None else d.get(k)
+    return d
+
+
 def table_rows(out: dict) -> list[dict]:
     """One dict per figure: a value per system (None where it does not apply or failed), the
     issue's C++ llama.cpp figure where it quoted one, and the unit."""
     ip, http, n = out["in_process"], out["http"], out["http"]["max_tokens"]
-    get = lambda d, *ks: None if d is None else (d.get(ks[0]) if len(ks) == 1 else get(d.get(ks[0]), *ks[1:]))  # noqa: E731
+    get = _get
     rows = [
         {"figure": f"in-process decode, batch 1 (llama_decode / LM.step; lowest of {ip['rounds']} round medians)",
          "unit": "ms/token",
@@ -22,7 +29,8 @@ def table_rows(out: dict) -> list[dict]:
         {"figure": f"in-process decode, the same {out['peer_model']['layers']}-layer network in each "
                    "(same rounds; transformers: greedy generate, lowest of 3)", "unit": "ms/token",
          "llama_cpp": get(ip, "llama_cpp", "ms_best_round"), "linstream": get(ip, "linstream_twin", "ms_best_round"),
-         "transformers": get(ip, "transformers", "ms_best_round"), "reference": None},
+         "transformers": get(ip, "transformers", "ms_best_round"), "reference": None,
+         "systems": [k for k, _ in SYSTEMS]},
     ]
     one = http.get("single_stream", {})
     rows += [{"figure": f"one SSE stream ({one.get('max_tokens')} tokens, greedy), median inter-token gap", "unit": "ms",
@@ -43,7 +51,7 @@ def table_rows(out: dict) -> list[dict]:
                      "linstream": get(_level(http, "linstream", c), "tokens_per_server_cpu_s"),
                      "transformers": None, "reference": None})
     for r in rows:
-        r["systems"] = [k for k, _ in SYSTEMS if k != "transformers" or "same" in r["figure"]]
+        r.setdefault("systems", ["llama_cpp", "linstream"])
         r["linstream_vs_llama_cpp"] = ratio(r)
     return rows
 
