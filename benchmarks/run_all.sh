@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=benchmarks/results
 mkdir -p $out
+python benchmarks/peers.py --out $out/peers | tee $out/peers.txt   # needs the bench extra (llama-cpp-python, gguf)
 python -m model.bench --threads 1 --out $out/model_bench.json | tee $out/model_bench.txt
 python benchmarks/models_table.py --out $out/models_table
 port=8100

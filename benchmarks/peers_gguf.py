@@ -1,0 +1,112 @@
+"""The model llama.cpp runs in benchmarks/peers.py: a Mamba-1 GGUF of the shipped `mamba` shape.
+
+llama.cpp's `mamba` architecture is a stack of (RMSNorm -> Mamba mixer -> residual) blocks with
+no MLP, while linstream's blocks carry an MLP as well, so the shipped checkpoint does not map onto
+it. The peer model is therefore linstream's own LM built mixer-only (`mlp_ratio` 0: blocks of
+norm + mixer alone, as linstream builds imported Mamba checkpoints) with 6 layers instead of 4, which brings the parameter
+count to the shipped model's (3.08 M vs 3.28 M; the issue's table used the same shape), with
+linstream's random initialisation. Its weights are written into the GGUF unchanged, so the same
+network runs in linstream, llama.cpp and transformers and their logits can be compared.
+
+The GGUF carries linstream's own byte-level BPE tokenizer (2,048 tokens and their merges, the
+GPT-2 pre-tokenizer), so both servers turn a prompt into the same tokens. linstream has no
+end-of-text token; llama.cpp requires one, so the last token id is named EOS and the benchmark's
+requests forbid it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model.config import ModelConfig
+from model.lm import LM
+
+WEIGHTS = Path(__file__).resolve().parent.parent / "model" / "weights" / "mamba"
+TWIN_LAYERS = 6
+EOS = 2047  # llama.cpp needs an end-of-text token; linstream's vocabulary has none: its last token stands in
+
+
+def twin_config(weights: Path = WEIGHTS) -> ModelConfig:
+    """The shipped `mamba` config, mixer-only, with enough layers to match its parameter count."""
+    cfg = ModelConfig.from_dict(json.loads((weights / "config.json").read_text()))
+    return dataclasses.replace(cfg, n_layer=TWIN_LAYERS, mlp_ratio=0.0)
+
+
+def twin_model(seed: int = 0, weights: Path = WEIGHTS) -> LM:
+    torch.manual_seed(seed)
+    return LM(twin_config(weights)).eval()
+
+
+def _tensors(lm: LM):
+    """(GGUF name, float32 array) for every weight, in llama.cpp's names. GGUF lists dimensions
+    innermost first, so a torch (out, in) matrix is stored as it lies and read as {in, out}."""
+    import gguf
+    T, names = gguf.MODEL_TENSOR, gguf.TENSOR_NAMES
+    f32 = lambda t: t.detach().float().contiguous().numpy()  # noqa: E731
+    yield names[T.TOKEN_EMBD] + ".weight", f32(lm.embed.weight)  # (V, D); also the tied output head
+    yield names[T.OUTPUT_NORM] + ".weight", f32(lm.norm.weight)
+    for i, block in enumerate(lm.blocks):
+        m, n = block.mixer, lambda t: names[t].format(bid=i)  # noqa: E731
+        yield n(T.ATTN_NORM) + ".weight", f32(block.norm1.weight)
+        yield n(T.SSM_IN) + ".weight", f32(m.in_proj.weight)  # (2E, D): x then z, as linstream splits
+        yield n(T.SSM_CONV1D) + ".weight", f32(m.conv1d.weight[:, 0])  # (E, W), oldest tap first
+        yield n(T.SSM_CONV1D) + ".bias", f32(m.conv1d.bias)
+        yield n(T.SSM_X) + ".weight", f32(m.x_proj.weight)  # (R + 2N, E): dt, B, C
+        yield n(T.SSM_DT) + ".weight", f32(m.dt_proj.weight)
+        yield n(T.SSM_DT) + ".bias", f32(m.dt_proj.bias)
+        yield n(T.SSM_A), f32(-torch.exp(m.A_log))  # llama.cpp stores A itself, not log(-A)
+        yield n(T.SSM_D), f32(m.D)
+        yield n(T.SSM_OUT) + ".weight", f32(m.out_proj.weight)
+
+
+def write_gguf(lm: LM, tokenizer_json: Path, out: Path) -> Path:
+    """Write `lm` (a mixer-only Mamba LM) and the BPE tokenizer as an f32 GGUF file."""
+    import gguf
+    cfg = lm.cfg
+    if set(cfg.layer_mixers) != {"mamba"} or cfg.mlp_ratio or not cfg.tie_embeddings or cfg.norm != "rms":
+        raise ValueError("only a mixer-only, tied-embedding, RMS-norm Mamba LM maps onto llama.cpp's `mamba`")
+    if cfg.proj_bias or not cfg.conv_bias or cfg.bc_norm_eps:
+        raise ValueError("llama.cpp's `mamba` has a conv1d bias, no in/out projection bias, no dt/B/C norms")
+    if cfg.expand != 2:
+        raise ValueError("llama.cpp's `mamba` supports expand 2 only")
+    tok = json.loads(Path(tokenizer_json).read_text())["model"]
+    vocab = sorted(tok["vocab"].items(), key=lambda kv: kv[1])
+    if [i for _, i in vocab] != list(range(cfg.vocab_size)):
+        raise ValueError("tokenizer ids must be 0..vocab_size-1")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["merges"]]
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MAMBA])
+    w.add_name("linstream mamba peer (random weights)")
+    w.add_context_length(1 << 20)  # a recurrent model has no context limit; the key is required
+    w.add_embedding_length(cfg.d_model)
+    w.add_feed_forward_length(0)  # no MLP
+    w.add_head_count(0)  # no attention heads
+    w.add_block_count(cfg.n_layer)
+    w.add_ssm_conv_kernel(cfg.conv_kernel)
+    w.add_ssm_inner_size(cfg.expand * cfg.d_model)
+    w.add_ssm_state_size(cfg.d_state)
+    w.add_ssm_time_step_rank(cfg.dt_rank)
+    w.add_ssm_dt_b_c_rms(False)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([gguf.TokenType.NORMAL] * len(vocab))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(EOS)
+    w.add_eos_token_id(EOS)
+    w.add_add_bos_token(False)
+    w.add_add_eos_token(False)
+    for name, arr in _tensors(lm):
+        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
