@@ -99,7 +99,9 @@ class Mamba(nn.Module):
         x, tail = causal_conv_step(x, state["conv"], self.conv1d.weight, self.conv1d.bias)
         x = F.silu(x)
         delta, B, C = self._ssm_inputs(x)
-        h = torch.exp(delta[..., None] * -torch.exp(self.A_log)) * state["h"] + (delta * x)[..., None] * B[:, None, :]
+        # h in place (no state-sized result); the same two ops in the same order as the
+        # out-of-place form, so the bits do not change
+        h = state["h"].mul_(torch.exp(delta[..., None] * -torch.exp(self.A_log))).add_((delta * x)[..., None] * B[:, None, :])
         y = torch.einsum("ben,bn->be", h, C) + self.D * x
         return self.out_proj(y * F.silu(z)), {"h": h, "conv": tail}
 
