@@ -26,6 +26,8 @@ def serve(
     api_key: Annotated[Optional[list[str]], typer.Option(help="require this bearer key (repeatable)")] = None,
     api_key_file: Annotated[Optional[str], typer.Option(help="file with one key per line")] = None,
     max_connections: Annotated[Optional[int], typer.Option(help="connections open at once; more get 503 [default 1024]")] = None,
+    compile: Annotated[Optional[str], typer.Option(
+        help="auto | on | off: compiled decode step, warmed in the background [env LINSTREAM_COMPILE]")] = None,
     log_level: Annotated[str, typer.Option()] = "info",
     allocator: Annotated[str, typer.Option(
         envvar="LINSTREAM_ALLOCATOR",
@@ -37,6 +39,8 @@ def serve(
         raise typer.BadParameter("use auto, system or jemalloc", param_hint="--allocator")
     if allocator != "system":
         _reexec_with_jemalloc(required=allocator == "jemalloc")
+    if compile not in (None, "auto", "on", "off"):
+        raise typer.BadParameter("use auto, on or off", param_hint="--compile")
     import uvicorn
 
     from server.app import create_app
@@ -44,7 +48,7 @@ def serve(
     from server.settings import Settings
     given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
              "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl,
-             "max_connections": max_connections}
+             "max_connections": max_connections, "compile": compile}
     settings = Settings(**{k: v for k, v in given.items() if v is not None and v != []})
     app = create_app(settings)
 

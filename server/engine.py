@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from model.compiled import Stepper
 from model.lm import LM
 from model.sampling import SamplingParams, StopMatcher, sample
 from model.state import State
@@ -93,8 +94,9 @@ class Prefill:
 
 class Engine:
     def __init__(self, name: str, model: LM, tok: Tokenizer, slots: int, prefill_chunk: int, max_batch: int,
-                 metrics=None, lookahead: bool = True):
+                 metrics=None, lookahead: bool = True, compile: str = "off"):
         self.name, self.model, self.tok = name, model, tok
+        self.stepper = Stepper(model, compile)  # model.step, compiled once warm (model/compiled.py)
         self.pool: State = model.init_state(slots)
         self.empty = model.init_state(1)
         self.kv = any(self.pool.time_dims)  # some layer keeps a growing KV cache
@@ -283,7 +285,7 @@ class Engine:
                 self.pool.reserve(int(self.pool.position[rows].max()) + 1)
             st = self.pool.select(rows)
             t0 = time.perf_counter()
-            logits, new = self.model.step(torch.tensor([j.pending for j in step]), st)
+            logits, new = self.stepper(torch.tensor([j.pending for j in step]), st, rows)
             self.pool.assign(rows, new)
         except Exception as e:
             self.pool.assign(rows, saved)

@@ -1,5 +1,7 @@
 """The compiled decode step (model/compiled.py) against eager LM.step: equal within float tolerance,
 bit-identical rows whatever the batch, no change at the takeover, snapshots that cross the two."""
+import threading
+
 import pytest
 import torch
 
@@ -126,3 +128,30 @@ def test_snapshot_from_compiled_continues_eagerly(preset):
         _, s = model.step(s.next_logits.argmax(-1), s)
         all_eager.append(int(s.next_logits.argmax()))
     assert compiled_first == all_eager == eager_first
+
+
+def test_a_fresh_stepper_answers_eagerly_while_it_compiles():
+    model, go = stepper("tiny-linear").model, threading.Event()
+
+    class Held(Stepper):  # its background compile waits for the test's word
+        def warm(self):
+            go.wait(60)
+            super().warm()
+
+    st = Held(model, "on")
+    state = random_state(model, 2)
+    got, _ = st(torch.tensor([1, 2]), state.clone(), rows=[0, 1])
+    assert st.compiled is None
+    go.set()
+    assert torch.equal(got, model.step(torch.tensor([1, 2]), state.clone())[0])
+    assert st.wait(120)
+    assert st.pinned == {} and st.seen == {0: int(state.position[0]) + 1, 1: int(state.position[1]) + 1}
+
+
+def test_modes():
+    model = LM(PRESETS["tiny-softmax"]).eval()
+    assert Stepper(model, "auto").mode == "off"  # a KV cache: eager, with a log line
+    with pytest.raises(RuntimeError, match="KV cache"):
+        Stepper(model, "on")
+    with pytest.raises(ValueError):
+        Stepper(model, "fast")
