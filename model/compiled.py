@@ -55,6 +55,7 @@ class Stepper:
             raise ValueError(f"compile mode {mode!r}: expected one of {', '.join(MODES)}")
         self.model = model
         self.compiled = None  # the compiled step once warm
+        self.warm_s: float | None = None  # seconds the compile took (cache hits make it short)
         self.pinned: dict[int, int] = {}  # slot -> next position, for rows that began eagerly
         self.seen: dict[int, int] = {}  # the same for every row stepped before the takeover
         self._taken_over = False
@@ -99,8 +100,8 @@ class Stepper:
         except Exception:
             log.exception("compiling the decode step failed; serving eagerly")
             return
-        self.compiled = fn
-        log.info("compiled decode step ready in %.1f s", time.perf_counter() - t0)
+        self.compiled, self.warm_s = fn, time.perf_counter() - t0
+        log.info("compiled decode step ready in %.1f s", self.warm_s)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the compiled step is ready (tests, benchmarks); whether it is."""
@@ -110,7 +111,8 @@ class Stepper:
 
     @torch.no_grad()
     def __call__(self, tokens: Tensor, state: State, rows: list[int] | None = None) -> tuple[Tensor, State]:
-        """LM.step for rows `rows` (the slots of a pool, for pinning; None = one fresh stream per call)."""
+        """LM.step for rows `rows` (the slots of a pool, for pinning; None = one fresh stream per call).
+        Call it under no_grad, not inference_mode: the compiled step is guarded on the former."""
         rows = rows if rows is not None else []
         if self.compiled is None:
             for r, p in zip(rows, state.position.tolist()):

@@ -96,7 +96,7 @@ class Mamba(nn.Module):
 
     def step(self, u, state, pos=None):
         x, z = self.in_proj(u).chunk(2, dim=-1)  # (b, e)
-        x, tail = causal_conv_step(x, state["conv"], self.conv1d.weight, self.conv1d.bias)
+        x, tail = causal_conv_step(x, state["conv"], self.conv1d.weight, self.conv1d.bias, inplace=True)
         x = F.silu(x)
         delta, B, C = self._ssm_inputs(x)
         # h in place (no state-sized result); the same two ops in the same order as the
