@@ -43,6 +43,12 @@ def serve(
         raise typer.BadParameter("use auto, on or off", param_hint="--compile")
     import uvicorn
 
+    import logging
+    handler = logging.StreamHandler()  # the server's own lines (the compile's progress) beside uvicorn's
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    logging.getLogger("linstream").addHandler(handler)
+    logging.getLogger("linstream").setLevel(log_level.upper())
+
     from server.app import create_app
     from server.connections import fd_headroom, protocol
     from server.settings import Settings

@@ -69,7 +69,8 @@ class Stepper:
             self.mode = "off"
             return
         self.mode = "on"
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir or CACHE_DIR))
+        if cache_dir or not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir or CACHE_DIR)
         self.thread = threading.Thread(target=self.warm, name="compile-step", daemon=True)
         if background:
             self.thread.start()
@@ -86,7 +87,7 @@ class Stepper:
     def warm(self) -> None:
         """Compile the step (batch dim symbolic) and run it once at two batch sizes."""
         t0 = time.perf_counter()
-        log.info("compiling the decode step in the background (serving eagerly meanwhile)")
+        log.info("compiling the decode step (cache %s), serving eagerly meanwhile", os.environ["TORCHINDUCTOR_CACHE_DIR"])
         # every model compiles its own entry of LM.step_layers: room for many models in one server
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         fn = torch.compile(self.model.step_layers, fullgraph=True)
