@@ -60,6 +60,7 @@ class Stepper:
         self.seen: dict[int, int] = {}  # the same for every row stepped before the takeover
         self._taken_over = False
         self._scratch: list[Tensor] | None = None  # MIN_ROWS-row inputs for small batches
+        self._warned = False
         why = self._why_eager(mode)
         if why:
             if mode == "on":
@@ -104,6 +105,17 @@ class Stepper:
         self.compiled, self.warm_s = fn, time.perf_counter() - t0
         log.info("compiled decode step ready in %.1f s", self.warm_s)
 
+    def _fits(self, state: State) -> bool:
+        """Inputs the compiled step's guards accept. Anything else would recompile it inside a decode
+        step (seconds, and maybe other kernels); such a call steps eagerly, with one log line."""
+        why = ("inference_mode" if torch.is_inference_mode_enabled() else
+               "non-contiguous state" if not all(t.is_contiguous() for layer in state.layers for t in layer.values())
+               else None)
+        if why and not self._warned:
+            log.warning("decode step called with %s: stepping eagerly (the compiled step expects no_grad and pool rows)", why)
+            self._warned = True
+        return why is None
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the compiled step is ready (tests, benchmarks); whether it is."""
         if self.mode == "on" and self.thread.is_alive():
@@ -113,7 +125,7 @@ class Stepper:
     @torch.no_grad()
     def __call__(self, tokens: Tensor, state: State, rows: list[int] | None = None) -> tuple[Tensor, State]:
         """LM.step for rows `rows` (the slots of a pool, for pinning; None = one fresh stream per call).
-        Call it under no_grad, not inference_mode: the compiled step is guarded on the former."""
+        Under inference_mode or with non-contiguous state tensors it steps eagerly (see _fits)."""
         rows = rows if rows is not None else []
         if self.compiled is None:
             for r, p in zip(rows, state.position.tolist()):
@@ -146,6 +158,8 @@ class Stepper:
     def _compiled(self, tokens: Tensor, state: State) -> tuple[Tensor, State]:
         B = tokens.shape[0]
         layers, position = state.layers, state.position
+        if not self._fits(state):
+            return self.model.step(tokens, state)
         if B < MIN_ROWS:  # copy into a MIN_ROWS-row scratch state; the spare rows are never read back
             flat = [position, *[t for layer in layers for t in layer.values()]]
             if self._scratch is None:
@@ -156,13 +170,7 @@ class Stepper:
             layers = [{n: next(it) for n in layer} for layer in layers]
             position = self._scratch[0]
             tokens = torch.cat([tokens, tokens.new_zeros(MIN_ROWS - B)])
-        try:  # a guard that fails here would recompile inside a decode step: refuse, serve eagerly
-            with torch.compiler.set_stance("fail_on_recompile"):
-                logits, new = self.compiled(tokens, layers, position)
-        except RuntimeError:
-            log.exception("the compiled decode step would recompile; serving eagerly from now on")
-            self.compiled = None
-            return self.model.step(tokens, state)
+        logits, new = self.compiled(tokens, layers, position)
         if B < MIN_ROWS:
             logits, new = logits[:B], [{n: t[:B] for n, t in layer.items()} for layer in new]
         return logits, State(new, state.position + 1, state.time_dims, logits)

@@ -39,6 +39,18 @@ def stepper(preset: str) -> Stepper:
     return _steppers[preset]
 
 
+def held(model: LM) -> tuple[Stepper, threading.Event]:
+    """A stepper whose background compile waits for the event (a cache hit once it runs)."""
+    go = threading.Event()
+
+    class Held(Stepper):
+        def warm(self):
+            go.wait(60)
+            super().warm()
+
+    return Held(model, "on"), go
+
+
 def rows_of(state: State, rows: list[int]) -> State:
     return state.clone().select(rows)
 
@@ -80,14 +92,14 @@ def test_takeover_does_not_change_a_running_stream():
     compiled; stepping both in one batch gives each what it would get on its own path."""
     st = stepper("tiny-linear")
     model = st.model
-    fresh = Stepper.__new__(Stepper)  # the same compiled step, not yet taken over
-    fresh.__dict__.update(model=model, compiled=None, pinned={}, seen={}, _taken_over=False, _scratch=None, mode="on")
+    fresh, go = held(model)
     pool = random_state(model, 3)
     eager_ref = pool.clone()
     tok = torch.tensor([5, 6, 7])
     pool.assign([0, 1], fresh(tok[:2], pool.select([0, 1]), rows=[0, 1])[1])  # two streams start eagerly
     eager_ref.assign([0, 1], model.step(tok[:2], eager_ref.select([0, 1]))[1])
-    fresh.compiled = st.compiled  # the compile finishes
+    go.set()  # the compile finishes
+    assert fresh.wait(60)
     for _ in range(3):  # a batch of both: the first two rows stay eager, the third runs compiled
         logits, new = fresh(tok, pool.select([0, 1, 2]), rows=[0, 1, 2])
         pool.assign([0, 1, 2], new)
@@ -131,14 +143,8 @@ def test_snapshot_from_compiled_continues_eagerly(preset):
 
 
 def test_a_fresh_stepper_answers_eagerly_while_it_compiles():
-    model, go = stepper("tiny-linear").model, threading.Event()
-
-    class Held(Stepper):  # its background compile waits for the test's word
-        def warm(self):
-            go.wait(60)
-            super().warm()
-
-    st = Held(model, "on")
+    model = stepper("tiny-linear").model
+    st, go = held(model)
     state = random_state(model, 2)
     got, _ = st(torch.tensor([1, 2]), state.clone(), rows=[0, 1])
     assert st.compiled is None
@@ -155,3 +161,12 @@ def test_modes():
         Stepper(model, "on")
     with pytest.raises(ValueError):
         Stepper(model, "fast")
+
+
+def test_inputs_the_graph_was_not_compiled_for_step_eagerly():
+    st = stepper("tiny-mamba")
+    model, state = st.model, random_state(st.model, 5)
+    with torch.inference_mode():
+        got, _ = st(torch.arange(5), state.clone())
+    assert torch.equal(got, model.step(torch.arange(5), state.clone())[0])
+    assert st.compiled is not None  # still compiled for the next call
