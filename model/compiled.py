@@ -128,25 +128,30 @@ class Stepper:
         Under inference_mode or with non-contiguous state tensors it steps eagerly (see _fits)."""
         rows = rows if rows is not None else []
         if self.compiled is None:
-            for r, p in zip(rows, state.position.tolist()):
-                self.seen[r] = p + 1
-            return self.model.step(tokens, state)
+            positions = state.position.tolist()
+            out = self.model.step(tokens, state)
+            self.seen.update((r, p + 1) for r, p in zip(rows, positions))
+            return out
         if not self._taken_over:
             self.pinned, self.seen, self._taken_over = self.seen, {}, True
         if not self.pinned:
             return self._compiled(tokens, state)
-        eager = []
-        for i, (r, p) in enumerate(zip(rows, state.position.tolist())):
+        eager, positions = [], state.position.tolist()
+        for i, (r, p) in enumerate(zip(rows, positions)):
             if self.pinned.get(r) == p:
-                self.pinned[r] = p + 1
                 eager.append(i)
             else:
                 self.pinned.pop(r, None)
         if not eager:
             return self._compiled(tokens, state)
-        if len(eager) == len(rows):
-            return self.model.step(tokens, state)
-        rest, position = [i for i in range(len(rows)) if i not in set(eager)], state.position + 1
+        out = self._split(tokens, state, eager) if len(eager) < len(rows) else self.model.step(tokens, state)
+        for i in eager:  # after the step: one that raised (and was rolled back) leaves the pins as they were
+            self.pinned[rows[i]] = positions[i] + 1
+        return out
+
+    def _split(self, tokens: Tensor, state: State, eager: list[int]) -> tuple[Tensor, State]:
+        """Rows `eager` stepped eagerly, the others compiled, written back into `state`."""
+        rest, position = [i for i in range(state.batch) if i not in set(eager)], state.position + 1
         la, na = self.model.step(tokens[eager], state.select(eager))
         lb, nb = self._compiled(tokens[rest], state.select(rest))
         state.assign(eager, na)
