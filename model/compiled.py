@@ -3,13 +3,15 @@
     stepper = Stepper(model, mode="auto")     # starts compiling in a background thread
     logits, state = stepper(tokens, state, rows)   # same contract as LM.step
 
-One graph serves every batch size from MIN_ROWS up: the batch dim is compiled symbolic (measured
-as fast as a graph per size: 23.8 vs 25.6 ms at batch 64 for `linear`, one loaded run), so there
-is one compile, not one per bucket, and no padding copies. Smaller batches are padded to MIN_ROWS
-rows, because the BLAS gives a row different low bits when the batch has fewer than 4 rows; from
-4 rows on a row's result does not depend on the other rows. So in the compiled path a row's
-logits are bit-identical whatever the batch (tests/test_compiled.py); the eager path is only
-equal within float tolerance across batch sizes, and to the compiled path.
+One graph serves every batch size from MIN_ROWS up: the batch dim is compiled symbolic (as fast
+as a graph per size: 23.8 vs 25.6 ms at batch 64 for `linear`, one run on a loaded machine), so
+there is one compile instead of one per bucket, and no padding copies. Smaller batches are padded
+to MIN_ROWS rows, because with fewer than 4 rows MKL takes its GEMV path and a row's low bits
+differ; from 4 rows on, with one compute thread, a row's result does not depend on the other rows
+(with more threads MKL splits the rows by the batch size, and eager and compiled alike lose this).
+So in the compiled path a row's logits are bit-identical whatever the batch (tests/test_compiled.py);
+the eager path agrees with it, and with itself across batch sizes, within float tolerance only.
+The padding has a price at batch 1: the M=4 GEMM costs ~1.3-1.5x the M=1 GEMV over the same weights.
 
 The takeover from eager never changes a running stream: rows that stepped eagerly keep stepping
 eagerly as long as their slot's position chain continues (a new session in that slot, or any

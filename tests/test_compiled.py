@@ -170,3 +170,20 @@ def test_inputs_the_graph_was_not_compiled_for_step_eagerly():
         got, _ = st(torch.arange(5), state.clone())
     assert torch.equal(got, model.step(torch.arange(5), state.clone())[0])
     assert st.compiled is not None  # still compiled for the next call
+
+
+@pytest.mark.slow
+def test_golden_greedy_compiled():
+    """The shipped `linear`, stepped by the compiled graph, greedy-decodes the golden literal."""
+    from .test_golden import CKPT, GOLDEN_IDS, PROMPT
+    from model.generate import prefill
+    from model.tokenizer import Tokenizer
+    model = LM.load(CKPT)
+    st = Stepper(model, "on", background=False)
+    s = prefill(model, Tokenizer(CKPT / "tokenizer.json").encode(PROMPT), model.init_state(1))
+    out = []
+    for _ in range(len(GOLDEN_IDS)):
+        t = s.next_logits.argmax(-1)
+        out.append(int(t))
+        _, s = st(t, s)
+    assert out == GOLDEN_IDS
