@@ -154,13 +154,20 @@ def test_a_fresh_stepper_answers_eagerly_while_it_compiles():
     assert st.pinned == {} and st.seen == {0: int(state.position[0]) + 1, 1: int(state.position[1]) + 1}
 
 
-def test_modes():
+def test_modes(monkeypatch, caplog):
     model = LM(PRESETS["tiny-softmax"]).eval()
     assert Stepper(model, "auto").mode == "off"  # a KV cache: eager, with a log line
     with pytest.raises(RuntimeError, match="KV cache"):
         Stepper(model, "on")
     with pytest.raises(ValueError):
         Stepper(model, "fast")
+    assert Stepper(LM(PRESETS["tiny-linear"]).eval(), "off").mode == "off"
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with caplog.at_level("INFO", logger="linstream.compiled"):
+        assert Stepper(LM(PRESETS["tiny-linear"]).eval(), "auto").mode == "off"
+    assert "no C++ compiler" in caplog.text
+    with pytest.raises(RuntimeError, match="no C.. compiler"):
+        Stepper(LM(PRESETS["tiny-linear"]).eval(), "on")
 
 
 def test_inputs_the_graph_was_not_compiled_for_step_eagerly():
