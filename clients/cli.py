@@ -52,6 +52,8 @@ def serve(
         help="file with one key per line (default none; env LINSTREAM_API_KEY_FILE)")] = None,
     max_connections: Annotated[Optional[int], typer.Option(
         help=f"connections open at once; more get 503 {_default('max_connections')}")] = None,
+    compile: Annotated[Optional[str], typer.Option(
+        help=f"auto | on | off: compiled decode step, warmed in the background {_default('compile')}")] = None,
     log_level: Annotated[str, typer.Option(
         help="uvicorn's log level: critical | error | warning | info | debug")] = "info",
     allocator: Annotated[str, typer.Option(
@@ -64,14 +66,22 @@ def serve(
         raise typer.BadParameter("use auto, system or jemalloc", param_hint="--allocator")
     if allocator != "system":
         _reexec_with_jemalloc(required=allocator == "jemalloc")
+    if compile not in (None, "auto", "on", "off"):
+        raise typer.BadParameter("use auto, on or off", param_hint="--compile")
     import uvicorn
+
+    import logging
+    handler = logging.StreamHandler()  # the server's own lines (the compile's progress) beside uvicorn's
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    logging.getLogger("linstream").addHandler(handler)
+    logging.getLogger("linstream").setLevel(log_level.upper())
 
     from server.app import create_app
     from server.connections import fd_headroom, protocol
     from server.settings import Settings
     given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
              "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl,
-             "max_connections": max_connections, "names": name, "device": device, "dtype": dtype}
+             "max_connections": max_connections, "names": name, "device": device, "dtype": dtype, "compile": compile}
     settings = Settings(**{k: v for k, v in given.items() if v is not None and v != []})
     app = create_app(settings)
 

@@ -3,6 +3,8 @@ throughput, state bytes. Prints a table and writes JSON.
 
     python -m model.bench --models linear softmax mamba --positions 128 1024 4096 16384 32768 \\
         --out benchmarks/results/model_bench.json
+    python -m model.bench --step-only --threads 1 --models linear mamba   # eager vs compiled step,
+        # bare matmuls at the same batch; merged into the results file above
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .compiled import Stepper
 from .generate import decode, prefill
 from .hf import load_checkpoint
 from .lm import LM
@@ -30,14 +33,17 @@ def state_at(model: LM, position: int, seed: int = 0) -> State:
     return prefill(model, ids, model.init_state(1))
 
 
-def time_steps(model: LM, state: State, steps: int, warmup: int = 5) -> list[float]:
-    """Seconds per decode step. Works on a copy: decode writes KV caches in place."""
+def time_steps(step, state: State, steps: int, warmup: int = 5) -> list[float]:
+    """Seconds per decode step (step: an LM, or any function like LM.step). Works on a copy:
+    decode writes states in place."""
+    step = step.step if isinstance(step, LM) else step
     state = state.clone()
     tok = torch.zeros(state.batch, dtype=torch.long)
     out = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        _, state = decode(model, tok, state)
+        with torch.no_grad():  # not inference_mode: the compiled step is guarded on grad mode
+            _, state = step(tok, state)
         if i >= warmup:
             out.append(time.perf_counter() - t0)
     return out
@@ -53,6 +59,44 @@ def batched(model: LM, one: State, batch: int) -> State:
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def bare_matmuls(model: LM, batch: int, steps: int) -> list[float]:
+    """Seconds per pass over every weight matmul of one decode step at `batch` rows, alone: the
+    floor a step cannot beat (issue 13, goal 2)."""
+    ws = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = [torch.randn(batch, w.shape[1]) for w in ws]
+    out = []
+    for i in range(5 + steps):
+        t0 = time.perf_counter()
+        for x, w in zip(xs, ws):
+            torch.mm(x, w.t())
+        if i >= 5:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def bench_compiled(model: LM, batches: list[int], steps: int, mode: str) -> dict:
+    """Eager vs compiled (model/compiled.py) decode step per batch, timed in alternating rounds
+    so that both see the same machine, and the bare weight matmuls at the largest batch."""
+    st = Stepper(model, mode, background=False)
+    res = {"compile_s": st.warm_s, "batches": []}
+    for b in batches:
+        state = batched(model, model.init_state(1), b) if b > 1 else model.init_state(1)
+        tok = torch.zeros(b, dtype=torch.long)
+        fns = {"eager": model.step, "compiled": st} if st.compiled else {"eager": model.step}
+        ts = {k: [] for k in fns}
+        for _ in range(5):  # rounds
+            for k, f in fns.items():
+                ts[k] += time_steps(f, state, max(1, steps // 5), warmup=3)
+        row = {"batch": b} | {f"{k}_ms": 1000 * statistics.median(v) for k, v in ts.items()}
+        row["bare_matmul_ms"] = 1000 * statistics.median(bare_matmuls(model, b, steps))
+        if fns.keys() != {"eager"} and st.compiled is None:
+            raise RuntimeError("the compiled step fell back to eager while timing it")
+        res["batches"].append(row)
+        print(f"  step batch {b:3d}: " + ", ".join(f"{k} {1000 * statistics.median(v):.3f} ms" for k, v in ts.items())
+              + f", bare matmuls {row['bare_matmul_ms']:.3f} ms", flush=True)
+    return res
 
 
 def bench_model(name: str, model: LM, positions: list[int], batches: list[int], steps: int,
@@ -96,25 +140,67 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                    help="also time the compiled step against eager at --step-batches")
+    ap.add_argument("--step-batches", nargs="+", type=int, default=[1, 64])
+    ap.add_argument("--step-only", action="store_true",
+                    help="time only eager vs compiled steps and merge them into --out's existing results")
     ap.add_argument("--mem-limit-gib", type=float, default=6.0, help="skip batches whose states exceed this")
     ap.add_argument("--out", default="benchmarks/results/model_bench.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
+    if a.step_only:
+        return step_only(a)
     results = []
     for name in a.models:
         path = Path(name) if Path(name).is_dir() else WEIGHTS / name
-        results.append(bench_model(path.name, load_checkpoint(path)[0], a.positions, a.batches, a.steps,
+        model = load_checkpoint(path)[0]
+        results.append(bench_model(path.name, model, a.positions, a.batches, a.steps,
                                    int(a.mem_limit_gib * 2**30), a.prefill))
+        if a.compile != "off" and not any(model.init_state(1).time_dims):
+            results[-1]["step"] = bench_compiled(model, a.step_batches, a.steps, a.compile)
     summary = _summary(results)
     print(table(results))
-    for line in summary["lines"]:
+    for line in summary["lines"] + step_lines(results):
         print(line)
     out = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
                        "torch": torch.__version__}, "results": results, "summary": summary["figures"]}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {a.out}")
+
+
+def step_only(a) -> None:
+    """Eager vs compiled steps only, written into the existing results file beside its figures."""
+    out = json.loads(Path(a.out).read_text()) if Path(a.out).exists() else {"results": []}
+    by = {r["model"]: r for r in out["results"]}
+    for name in a.models:
+        path = Path(name) if Path(name).is_dir() else WEIGHTS / name
+        print(f"  {path.name}:", flush=True)
+        r = by.get(path.name) or {"model": path.name}
+        r["step"] = bench_compiled(LM.load(path), a.step_batches, a.steps, a.compile)
+        r["step"]["threads"] = a.threads
+        if path.name not in by:
+            out["results"].append(r)
+    for line in step_lines(out["results"]):
+        print(line)
+    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {a.out}")
+
+
+def step_lines(results: list[dict]) -> list[str]:
+    """Per model and batch: ms/token eager and compiled, and the compiled step over the bare matmuls."""
+    lines = []
+    for r in results:
+        for b in r.get("step", {}).get("batches", []):
+            line = f"{r['model']} batch {b['batch']}: eager {b['eager_ms'] / b['batch']:.3f} ms/token"
+            if "compiled_ms" in b:
+                line += (f", compiled {b['compiled_ms'] / b['batch']:.3f} ms/token ({b['eager_ms'] / b['compiled_ms']:.2f}x); "
+                         f"step / bare matmuls {b['compiled_ms'] / b['bare_matmul_ms']:.2f}x compiled, "
+                         f"{b['eager_ms'] / b['bare_matmul_ms']:.2f}x eager")
+            lines.append(line)
+    return lines
 
 
 def table(results: list[dict]) -> str:

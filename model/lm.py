@@ -102,16 +102,20 @@ class LM(nn.Module):
 
     def step(self, tokens: Tensor, state: State):
         """One token per row: tokens (B,), rows may sit at different positions. The state's
-        tensors are updated where they lie (the recurrent mixers' S/z, the KV caches) and returned
-        in the new State: decoding makes no state-sized temporaries. Keep a copy (State.clone)
-        to step from the same state twice."""
+        tensors are updated where they lie (the recurrent mixers' S/z/h, the KV caches) or come
+        back new (conv tails); either way the returned State holds the result. Keep a copy
+        (State.clone) to step from the same state twice."""
+        logits, new = self.step_layers(tokens, state.layers, state.position)
+        return logits, State(new, state.position + 1, state.time_dims, logits)
+
+    def step_layers(self, tokens: Tensor, layers: list[dict[str, Tensor]], position: Tensor):
+        """`step` on plain tensors: (logits (B, V) float32, new layers). What model/compiled.py compiles."""
         x = self.embed(tokens.to(self.embed.weight.device))  # (B, D)
         new = []
-        for i, block in enumerate(self.blocks):
-            x, s = block(x, state.layers[i], state.position, "step")
+        for block, layer in zip(self.blocks, layers):
+            x, s = block(x, layer, position, "step")
             new.append(s)
-        logits = self.head(self.norm(x)).float()
-        return logits, State(new, state.position + 1, state.time_dims, logits)
+        return self.head(self.norm(x)).float(), new
 
     # ---- identity and checkpoints --------------------------------------------------------
     @property

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from model.compiled import Stepper
 from model.lm import LM
 from model.sampling import SamplingParams, StopMatcher, sample
 from model.state import State
@@ -94,8 +95,9 @@ class Prefill:
 
 class Engine:
     def __init__(self, name: str, model: LM, tok: Tokenizer, slots: int, prefill_chunk: int, max_batch: int,
-                 metrics=None, lookahead: bool = True):
+                 metrics=None, lookahead: bool = True, compile: str = "off"):
         self.name, self.model, self.tok = name, model, tok
+        self.stepper = Stepper(model, compile)  # model.step, compiled once warm (model/compiled.py)
         self.pool: State = model.init_state(slots)
         self.empty = model.init_state(1)
         self.kv = any(self.pool.time_dims)  # some layer keeps a growing KV cache
@@ -267,11 +269,12 @@ class Engine:
             step.sort(key=lambda j: j.slot)
             self._step(step)
 
-    def _step(self, step: list[Job]):
+    def _step(self, step: list[Job], retry: bool = True):
         """One batched step over these jobs' pending tokens. If it raises, every row goes back to
-        where it was and the batch is retried in halves, down to the one job that fails alone, so
-        a fault ends only the job that causes it; the others' tokens are the ones they would have
-        had without it (a row's result does not depend on its batch)."""
+        where it was and the batch is retried in halves, down to the one job that fails alone
+        (twice: a transient fault ends nobody), so a fault ends only the job that causes it; the
+        others' tokens are the ones they would have had without it (a row's result does not
+        depend on its batch)."""
         rows = [j.slot for j in step]
         # the rollback point of every row: a step writes the state in place. Without the KV
         # tensors (entries past a row's position are never read) it costs one copy of the
@@ -284,11 +287,13 @@ class Engine:
                 self.pool.reserve(int(self.pool.position[rows].max()) + 1)
             st = self.pool.select(rows)
             t0 = time.perf_counter()
-            logits, new = self.model.step(torch.tensor([j.pending for j in step]), st)
+            logits, new = self.stepper(torch.tensor([j.pending for j in step]), st, rows)
             self.pool.assign(rows, new)
         except Exception as e:
             self.pool.assign(rows, saved)
             if len(step) == 1:
+                if retry:
+                    return self._step(step, retry=False)
                 return self._fail(step[0], f"the decode step failed: {type(e).__name__}: {e}")
             log.warning("decode step over %d rows failed (%s: %s); retrying in halves", len(step), type(e).__name__, e)
             half = len(step) // 2

@@ -74,7 +74,7 @@ class Runtime:
             kv = any(b.mixer.time_dims for b in model.blocks)
             slots = settings.max_kv_sessions if kv else settings.max_sessions
             self.engines[served] = Engine(served, model, tok, slots, settings.prefill_chunk,
-                                          settings.max_batch, self.metrics, settings.lookahead)
+                                          settings.max_batch, self.metrics, settings.lookahead, settings.compile)
         self.default = next(iter(self.engines))
 
     def start(self):

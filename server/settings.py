@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -50,6 +51,9 @@ class Settings(BaseSettings):
     graceful_shutdown_s: int = 30  # on SIGTERM: stop accepting, let streams finish this long
     lookahead: bool = True  # step a token while its event is being sent (rolled back if it never arrives)
     threads: int = 0  # torch intra-op threads; 0 = torch's default
+    # decode step: auto = compiled (inductor) once warm, eager meanwhile and without a C++ compiler;
+    # on = the same but a missing compiler is an error; off = eager only (model/compiled.py)
+    compile: Literal["auto", "on", "off"] = "auto"
     # where snapshots and every session's latest state live: memory, disk:PATH or redis://HOST:PORT/DB
     store: str = Field(default_factory=lambda: "disk:" + str(Path.home() / ".cache" / "linstream" / "store"))
     # disk store: changes are refused (503) while fewer bytes than this are free on its file system

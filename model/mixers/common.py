@@ -18,13 +18,15 @@ def causal_conv(x: Tensor, tail: Tensor | None, weight: Tensor, bias: Tensor | N
     return y, xx[:, -(W - 1):]
 
 
-def causal_conv_step(x: Tensor, tail: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """One token of `causal_conv`: x (B, C), tail (B, W-1, C)."""
+def causal_conv_step(x: Tensor, tail: Tensor, weight: Tensor, bias: Tensor | None,
+                     inplace: bool = False) -> tuple[Tensor, Tensor]:
+    """One token of `causal_conv`: x (B, C), tail (B, W-1, C). inplace: write the new tail into
+    `tail` (decode: the pool row is current without a copy, and stays contiguous)."""
     window = torch.cat([tail, x[:, None]], dim=1)  # (B, W, C)
     y = torch.einsum("bwc,cw->bc", window, weight[:, 0])
     if bias is not None:
         y = y + bias
-    return y, window[:, 1:]
+    return y, tail.copy_(window[:, 1:]) if inplace else window[:, 1:]
 
 
 def causal_conv_loop(x: Tensor, tail: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:

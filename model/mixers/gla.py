@@ -133,7 +133,7 @@ class GatedLinearAttention(nn.Module):
         return self._out(o, x), (None if state is None else {"S": S, "conv": tail})
 
     def step(self, x, state, pos=None):
-        qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias)
+        qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias, inplace=True)
         q, k, v, g = (t[:, :, 0] for t in self._qkvg(qkv[:, None], x[:, None]))
         o, S = gated_attn_step(q, k, v, g, state["S"], inplace=True)
         return self._out(o[:, :, None], x[:, None])[:, 0], {"S": S, "conv": tail}

@@ -26,6 +26,12 @@ EPS = 1e-6
 
 
 def feature_map(x: Tensor) -> Tensor:
+    """elu(x) + 1. Compiled, it is written as exp(x) for x <= 0: inductor recomputes it inside the
+    state update's loops, where a scalar exp costs far less than elu's expm1 (linear at batch 64:
+    step / bare matmuls 1.42x instead of 1.83x, python -m model.bench --step-only). Eagerly the
+    two-op form is cheaper. The clamp keeps the unused branch finite (its gradient 0, not NaN)."""
+    if torch.compiler.is_compiling():
+        return torch.where(x > 0, x + 1, torch.exp(x.clamp(max=0)))
     return F.elu(x) + 1
 
 
@@ -184,7 +190,7 @@ class LinearAttention(nn.Module):
         return y, (None if state is None else {"S": fin[0], "z": fin[1], "conv": tail})
 
     def step(self, x, state, pos=None):
-        qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias)
+        qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias, inplace=True)
         q, k, v = self._qkv(qkv[:, None])
         o, (S, z) = linear_attn_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.gamma, (state["S"], state["z"]),
                                      inplace=True)

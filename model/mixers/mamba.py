@@ -105,10 +105,12 @@ class Mamba(nn.Module):
 
     def step(self, u, state, pos=None):
         x, z = self.in_proj(u).chunk(2, dim=-1)  # (b, e)
-        x, tail = causal_conv_step(x.float(), state["conv"], *self._conv())
+        x, tail = causal_conv_step(x.float(), state["conv"], *self._conv(), inplace=True)
         x = F.silu(x)
         delta, B, C = self._ssm_inputs(x)
-        h = torch.exp(delta[..., None] * -torch.exp(self.A_log)) * state["h"] + (delta * x)[..., None] * B[:, None, :]
+        # h in place (no state-sized result); the same two ops in the same order as the
+        # out-of-place form, so the bits do not change
+        h = state["h"].mul_(torch.exp(delta[..., None] * -torch.exp(self.A_log))).add_((delta * x)[..., None] * B[:, None, :])
         y = torch.einsum("ben,bn->be", h, C) + self.D * x
         return self.out_proj((y * F.silu(z)).to(u.dtype)), {"h": h, "conv": tail}
 

@@ -97,7 +97,7 @@ class Performer(nn.Module):
         return self._out(o, x), (None if state is None else {"S": fin[0], "z": fin[1], "conv": tail})
 
     def step(self, x, state, pos=None):
-        qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias)
+        qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias, inplace=True)
         q, k, v = self._qkv(qkv[:, None])
         o, (S, z) = linear_attn_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.gamma, (state["S"], state["z"]),
                                      inplace=True)

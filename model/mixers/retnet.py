@@ -86,7 +86,7 @@ class Retention(nn.Module):
 
     def step(self, x, state, pos):
         positions = pos[:, None, None]  # (B, 1, 1)
-        qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias)
+        qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias, inplace=True)
         q, k, v = self._qkv(qkv[:, None], positions)
         num, den, (S, z) = decayed_attn_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.gamma, (state["S"], state["z"]),
                                              inplace=True)

@@ -85,7 +85,7 @@ class SoftmaxAttention(nn.Module):
 
     def step(self, x, state, pos):
         B = x.shape[0]
-        qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias)
+        qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias, inplace=True)
         q, k, v = self._split(qkv[:, None])  # (B, H, 1, K)
         q, k = rope(q, pos[:, None, None], self.base), rope(k, pos[:, None, None], self.base)
         need = int(pos.max()) + 1

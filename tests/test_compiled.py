@@ -1,0 +1,196 @@
+"""The compiled decode step (model/compiled.py) against eager LM.step: equal within float tolerance,
+bit-identical rows whatever the batch, no change at the takeover, snapshots that cross the two."""
+import threading
+
+import pytest
+import torch
+
+from model.compiled import MIN_ROWS, Stepper, compiler_missing
+from model.config import PRESETS
+from model.lm import LM
+from model.state import State
+
+from .conftest import random_state
+
+pytestmark = pytest.mark.skipif(compiler_missing() is not None, reason="no C++ compiler for inductor")
+
+FAST = ["tiny-linear", "tiny-mamba"]  # each compile costs ~10-20 s on two cores; the rest are slow
+SLOW = ["tiny-performer", "tiny-retnet", "tiny-gla", "tiny-rwkv"]
+_steppers: dict[str, Stepper] = {}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Batch invariance is a one-thread property: with more, the BLAS splits a batch's rows
+    between threads by its size, and a row's low bits follow the split (eager alike)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def stepper(preset: str) -> Stepper:
+    """One compiled stepper per preset for the whole run (compiling is the expensive part)."""
+    if preset not in _steppers:
+        torch.manual_seed(0)
+        s = Stepper(LM(PRESETS[preset]).eval(), "on", background=False)
+        assert s.wait(), "the step did not compile"
+        _steppers[preset] = s
+    return _steppers[preset]
+
+
+def held(model: LM) -> tuple[Stepper, threading.Event]:
+    """A stepper whose background compile waits for the event (a cache hit once it runs)."""
+    go = threading.Event()
+
+    class Held(Stepper):
+        def warm(self):
+            go.wait(60)
+            super().warm()
+
+    return Held(model, "on"), go
+
+
+def rows_of(state: State, rows: list[int]) -> State:
+    return state.clone().select(rows)
+
+
+@pytest.mark.parametrize("preset", FAST + [pytest.param(p, marks=pytest.mark.slow) for p in SLOW])
+def test_compiled_equals_eager(preset):
+    st = stepper(preset)
+    model, state = st.model, random_state(st.model, 6)
+    tokens = torch.arange(6) % model.cfg.vocab_size
+    for B in (1, 3, 6):  # padded, padded, symbolic batch
+        want, wnew = model.step(tokens[:B], rows_of(state, list(range(B))))
+        got, gnew = st(tokens[:B], rows_of(state, list(range(B))))
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        for a, b in zip(gnew.layers, wnew.layers):
+            for n in a:
+                torch.testing.assert_close(a[n], b[n], atol=2e-5, rtol=1e-4)
+        assert torch.equal(gnew.position, wnew.position)
+
+
+@pytest.mark.parametrize("preset", FAST)
+def test_compiled_rows_do_not_depend_on_the_batch(preset):
+    """Bit-identical logits and states for a row stepped alone, in a small padded batch, in any
+    symbolic batch size, at any place in the batch."""
+    st = stepper(preset)
+    model = st.model
+    state = random_state(model, 9)
+    tokens = torch.randint(0, model.cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(3))
+    full, fnew = st(tokens, rows_of(state, list(range(9))))
+    for rows in ([0], [4], [2, 7], [0, 1, 2], [5, 1, 8, 3], list(range(MIN_ROWS + 1))):
+        got, new = st(tokens[rows], rows_of(state, rows))
+        assert torch.equal(got, full[rows]), rows
+        for a, b in zip(new.layers, fnew.layers):
+            for n in a:
+                assert torch.equal(a[n], b[n][rows]), (rows, n)
+
+
+def test_takeover_does_not_change_a_running_stream():
+    """Rows that stepped eagerly stay eager after the compiled step is ready; a new row goes
+    compiled; stepping both in one batch gives each what it would get on its own path."""
+    st = stepper("tiny-linear")
+    model = st.model
+    fresh, go = held(model)
+    pool = random_state(model, 3)
+    eager_ref = pool.clone()
+    tok = torch.tensor([5, 6, 7])
+    pool.assign([0, 1], fresh(tok[:2], pool.select([0, 1]), rows=[0, 1])[1])  # two streams start eagerly
+    eager_ref.assign([0, 1], model.step(tok[:2], eager_ref.select([0, 1]))[1])
+    go.set()  # the compile finishes
+    assert fresh.wait(60)
+    for _ in range(3):  # a batch of both: the first two rows stay eager, the third runs compiled
+        logits, new = fresh(tok, pool.select([0, 1, 2]), rows=[0, 1, 2])
+        pool.assign([0, 1, 2], new)
+        want_a, na = model.step(tok[:2], eager_ref.select([0, 1]))
+        eager_ref.assign([0, 1], na)
+        want_b, nb = st(tok[2:], eager_ref.select([2]))
+        eager_ref.assign([2], nb)
+        assert torch.equal(logits[:2], want_a) and torch.equal(logits[2:], want_b)
+        assert fresh.pinned == {0: int(pool.position[0]), 1: int(pool.position[1])}
+    # a new session in slot 0 (its position does not continue the chain) leaves the eager path
+    pool.assign([0], random_state(model, 1, tokens=2))
+    fresh(tok[:1], pool.select([0]), rows=[0])
+    assert 0 not in fresh.pinned and 1 in fresh.pinned
+
+
+@pytest.mark.parametrize("preset", FAST)
+def test_snapshot_from_compiled_continues_eagerly(preset):
+    """Greedy tokens: compiled for a while, snapshot, restore, continue eagerly == all eager; and the
+    other way round."""
+    st = stepper(preset)
+    model = st.model
+
+    def run(state, first, n):
+        out = []
+        for i in range(n):
+            step = st if (i < 6) == first else model.step
+            logits, state = step(state.next_logits.argmax(-1), state)
+            out.append(int(state.next_logits.argmax()))
+            if i == 5:  # snapshot and restore between the two paths
+                state = State.from_bytes(state.to_bytes(model.fingerprint), model.init_state(1), model.fingerprint)
+        return out
+
+    start = random_state(model, 1)
+    compiled_first, eager_first = run(start.clone(), True, 12), run(start.clone(), False, 12)
+    all_eager = []
+    s = start.clone()
+    for _ in range(12):
+        _, s = model.step(s.next_logits.argmax(-1), s)
+        all_eager.append(int(s.next_logits.argmax()))
+    assert compiled_first == all_eager == eager_first
+
+
+def test_a_fresh_stepper_answers_eagerly_while_it_compiles():
+    model = stepper("tiny-linear").model
+    st, go = held(model)
+    state = random_state(model, 2)
+    got, _ = st(torch.tensor([1, 2]), state.clone(), rows=[0, 1])
+    assert st.compiled is None
+    go.set()
+    assert torch.equal(got, model.step(torch.tensor([1, 2]), state.clone())[0])
+    assert st.wait(120)
+    assert st.pinned == {} and st.seen == {0: int(state.position[0]) + 1, 1: int(state.position[1]) + 1}
+
+
+def test_modes(monkeypatch, caplog):
+    model = LM(PRESETS["tiny-softmax"]).eval()
+    assert Stepper(model, "auto").mode == "off"  # a KV cache: eager, with a log line
+    with pytest.raises(RuntimeError, match="KV cache"):
+        Stepper(model, "on")
+    with pytest.raises(ValueError):
+        Stepper(model, "fast")
+    assert Stepper(LM(PRESETS["tiny-linear"]).eval(), "off").mode == "off"
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with caplog.at_level("INFO", logger="linstream.compiled"):
+        assert Stepper(LM(PRESETS["tiny-linear"]).eval(), "auto").mode == "off"
+    assert "no C++ compiler" in caplog.text
+    with pytest.raises(RuntimeError, match="no C.. compiler"):
+        Stepper(LM(PRESETS["tiny-linear"]).eval(), "on")
+
+
+def test_inputs_the_graph_was_not_compiled_for_step_eagerly():
+    st = stepper("tiny-mamba")
+    model, state = st.model, random_state(st.model, 5)
+    with torch.inference_mode():
+        got, _ = st(torch.arange(5), state.clone())
+    assert torch.equal(got, model.step(torch.arange(5), state.clone())[0])
+    assert st.compiled is not None  # still compiled for the next call
+
+
+@pytest.mark.slow
+def test_golden_greedy_compiled():
+    """The shipped `linear`, stepped by the compiled graph, greedy-decodes the golden literal."""
+    from .test_golden import CKPT, GOLDEN_IDS, PROMPT
+    from model.generate import prefill
+    from model.tokenizer import Tokenizer
+    model = LM.load(CKPT)
+    st = Stepper(model, "on", background=False)
+    s = prefill(model, Tokenizer(CKPT / "tokenizer.json").encode(PROMPT), model.init_state(1))
+    out = []
+    for _ in range(len(GOLDEN_IDS)):
+        t = s.next_logits.argmax(-1)
+        out.append(int(t))
+        _, s = st(t, s)
+    assert out == GOLDEN_IDS
