@@ -17,17 +17,25 @@ from .settings import Settings
 
 
 class BodyLimit:
-    """413 for request bodies over the limit, declared (Content-Length) or streamed (chunked)."""
+    """413 for request bodies over the limit, declared (Content-Length) or streamed (chunked).
+    State blobs (application/octet-stream) may take `limit`; every other body is JSON, parsed
+    whole on the event loop, so it gets the smaller `json_limit`, sized to the prompt limits."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, json_limit: int):
+        self.app, self.limit, self.json_limit = app, limit, json_limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await _reject(send, self.limit)
+        headers = dict(scope["headers"])
+        blob = headers.get(b"content-type", b"").startswith(b"application/octet-stream")
+        limit = self.limit if blob else self.json_limit
+        what = "a state blob" if blob else "a JSON request body"
+        message = (f"{what} may hold at most {limit} bytes" +
+                   ("" if blob else f"; state blobs (application/octet-stream) up to {self.limit}"))
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return await _reject(send, message)
         seen = 0
 
         async def limited():
@@ -35,15 +43,15 @@ class BodyLimit:
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
-                if seen > self.limit:
-                    raise HTTPException(413, f"request body exceeds {self.limit} bytes")
+                if seen > limit:
+                    raise HTTPException(413, message)
             return msg
         await self.app(scope, limited, send)
 
 
-async def _reject(send, limit):
+async def _reject(send, message: str):
     import json
-    data = json.dumps(body("request_too_large", f"request body exceeds {limit} bytes")).encode()
+    data = json.dumps(body("request_too_large", message)).encode()
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
     await send({"type": "http.response.body", "body": data})
@@ -95,6 +103,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for r in (sessions.router, openai.router, system.router, docs.router):
         app.include_router(r)
     app.openapi = lambda: _openapi(app)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, json_limit=settings.max_json_bytes)
     app.add_middleware(BodyTimeout, timeout=settings.body_timeout)
     return app

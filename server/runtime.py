@@ -69,7 +69,8 @@ class Runtime:
             kv = any(b.mixer.time_dims for b in model.blocks)
             slots = settings.max_kv_sessions if kv else settings.max_sessions
             self.engines[path.name] = Engine(path.name, model, tok, slots, settings.prefill_chunk,
-                                             settings.max_batch, self.metrics, settings.lookahead)
+                                             settings.max_batch, self.metrics, settings.lookahead,
+                                             settings.prefill_share)
         self.default = next(iter(self.engines))
 
     def start(self):
