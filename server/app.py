@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException
 
 from . import errors
 from .connections import BodyTimeout
-from .errors import body
+from .errors import body, reply
 from .routes import docs, openai, sessions, system
 from .runtime import Runtime
 from .schemas import Restore
@@ -44,9 +44,13 @@ class BodyLimit:
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > limit:
-                    raise HTTPException(413, message)
+                    raise BodyTooLarge(413, message)
             return msg
         await self.app(scope, limited, send)
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from inside the body read: an HTTPException, so FastAPI's body parsing lets it through."""
 
 
 async def _reject(send, message: str):
@@ -100,6 +104,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="linstream", version="0.1.0", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None,
                   description="Streaming inference for recurrent language models, with explicit sessions.")
     errors.install(app)
+    app.add_exception_handler(BodyTooLarge, lambda _, e: reply("request_too_large", e.detail, 413))
     for r in (sessions.router, openai.router, system.router, docs.router):
         app.include_router(r)
     app.openapi = lambda: _openapi(app)

@@ -25,7 +25,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = 16 << 20  # state blobs (application/octet-stream)
     # JSON bodies, parsed whole on the event loop; 0 = room for a prompt of max_prompt_bytes with
     # every byte escaped to 3 (any text but control characters written \u00XX) or for
-    # max_prompt_tokens ids of up to 11 digits, whichever is more, plus 64 KiB for other fields
+    # max_prompt_tokens ids of up to 10 digits ("2147483647, "), whichever is more, plus 64 KiB for other fields
     max_json_bytes: int = 0
     prefill_chunk: int = 512  # prefill tokens per slice when no generation is running
     # while generations run, a prefill slice is sized (by measured costs) to take about this
