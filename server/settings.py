@@ -29,7 +29,7 @@ class Settings(BaseSettings):
     max_json_bytes: int = 0
     prefill_chunk: int = 512  # prefill tokens per slice when no generation is running
     # while generations run, a prefill slice is sized (by measured costs) to take about this
-    # fraction of a decode step, at least 16 tokens; 0 = whole prefill_chunk slices always
+    # fraction of a decode step, never under engine.MIN_SLICE tokens; 0 = whole prefill_chunk slices
     prefill_share: float = Field(0.5, ge=0)
     max_batch: int = 256  # sessions advanced by one decode step
     max_queue: int = 256  # generations waiting beyond max_batch; more are refused with 503
