@@ -1,11 +1,13 @@
-"""Does one hostile request stall everybody else? A real server (shipped `linear` model); one
-normal greedy stream runs throughout, and its inter-token gaps are measured quiet, then while
-each kind of hostile request is sent over and over, then quiet again. Prints p50/p99 gap per
-phase and its ratio to quiet (goal: p99 within 1.5x); writes benchmarks/results/hostile_stall.json.
-`generate_plain`, a normal generation sharing the victim's batch, is the fair baseline for the
-hostile generations, which share it too.
+"""Does one hostile request stall everybody else? A real server (shipped `linear` model, one torch
+thread); one normal greedy stream runs throughout, in its own process, and its inter-token gaps
+are measured quiet, then while each kind of request is sent over and over (each after the one
+before, at most --rate a second), then quiet again (the two quiet phases show the machine's
+drift). Each hostile phase follows its twin, the benign request of the same shape (endpoint,
+size, kind of work), and its p99 gap is given as a ratio to the first quiet phase's and to the
+twin's (goal: within 1.5x). A request that outlasts a phase (a 65,536-token prefill) stretches
+its phase to its end. Writes benchmarks/results/hostile_stall.json.
 
-    python benchmarks/hostile_stall.py --phase-s 4
+    python benchmarks/hostile_stall.py --phase-s 5
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import argparse
 import json
 import sys
 import multiprocessing as mp
+import socket
 import time
 from pathlib import Path
 
@@ -20,6 +23,8 @@ import httpx
 
 from clients.local_server import LocalServer
 from clients.stats import pct
+from model.tokenizer import Tokenizer
+from server.settings import Settings
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
 
@@ -41,32 +46,67 @@ def victim(url: str, sid: str, stop, out):
     out.send(arrivals)
 
 
-def hostile_kinds(c: httpx.Client, max_prompt_bytes: int, max_prompt_tokens: int) -> dict:
-    """name -> a function sending one hostile request (bodies encoded once, up front, so the
-    client's own work does not disturb the measuring thread) and returning its status."""
-    def post(path, body: bytes):
-        return lambda: c.post(path, content=body, headers={"content-type": "application/json"}).status_code
+def phases(c: httpx.Client, tok: Tokenizer, max_prompt_bytes: int, max_prompt_tokens: int) -> list[tuple]:
+    """(name, twin, send) per phase, each hostile phase just after its twin: the benign request of
+    the same shape (endpoint, size, kind of work), None where no legitimate request has that shape.
+    `send` sends one request and returns its status; bodies are encoded once, up front, so that
+    the client's own work stays small."""
+    def post(path, body: dict, then=None):
+        data = json.dumps(body).encode()
+
+        def send():
+            try:
+                r = c.post(path, content=data, headers={"content-type": "application/json"})
+            except httpx.TransportError:  # a refused body may end its connection before it is all sent
+                return "reset"
+            if then and r.status_code < 300:
+                then(r)
+            return r.status_code
+        return send
+
+    def declared(path, body: dict, sent: int = 64 << 10):
+        """One request on a new connection. A body the server refuses from its Content-Length
+        alone sends the headers and its first 64 KiB: writing all of it would measure this
+        client's CPU, not the server's."""
+        data = json.dumps(body).encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data[:sent]
+        addr = (c.base_url.host, c.base_url.port)
+
+        def send():
+            with socket.create_connection(addr) as sock:
+                sock.sendall(head)
+                return int(sock.recv(64).split()[1])
+        return send
 
     def session():
         return c.post("/v1/sessions", json={"prompt": PROMPT}).json()["id"]
-    big = json.dumps({"prompt": "x" * (8 << 20)}).encode()  # 8 MB: over the byte cap
-    at_cap = json.dumps({"prompt": ("the quick brown fox " * (max_prompt_bytes // 20))[:max_prompt_bytes]}).encode()
-    stops = {"stream": False, "temperature": 1.0, "max_tokens": 256,
-             "stop": [("q" * 255 + chr(0x4e00 + i)) for i in range(8)]}  # 8 stops of 256 chars, never matched
-    extreme = {"stream": False, "max_tokens": 64, "temperature": 100, "top_k": 1 << 20, "top_p": 1e-300,
-               "seed": 2 ** 63 - 1, "logprobs": 20}
+
+    def delete(r):
+        c.delete(f"/v1/sessions/{r.json()['id']}")
     sid = session()
+    fox = "the quick brown fox "
+    gen = f"/v1/sessions/{sid}/generate"
     plain = {"stream": False, "temperature": 1.0, "max_tokens": 256}
-    return {
-        "generate_plain": post(f"/v1/sessions/{sid}/generate", json.dumps(plain).encode()),
-        "prompt_8MB": post("/v1/sessions", big),
-        "prompt_at_byte_cap": post("/v1/sessions", at_cap),
-        "push_max_tokens": post(f"/v1/sessions/{session()}/push",
-                                json.dumps({"tokens": [7] * max_prompt_tokens}).encode()),
-        "push_over_limit": post(f"/v1/sessions/{sid}/push", json.dumps({"tokens": [7] * (4 * max_prompt_tokens)}).encode()),
-        "stop_8x256": post(f"/v1/sessions/{sid}/generate", json.dumps(stops).encode()),
-        "extreme_sampling": post(f"/v1/sessions/{sid}/generate", json.dumps(extreme).encode()),
-    }
+    small = {"stream": False, "max_tokens": 64, "logprobs": 20}
+    per_fox = len(tok.encode(fox * 64)) / 64  # tokens of one phrase: the longest text prompt that fits
+    return [
+        ("generate_plain", None, post(gen, plain)),
+        ("stop_8x256", "generate_plain",  # 8 stops of 256 chars, never matched
+         post(gen, {**plain, "stop": [("q" * 255 + chr(0x4e00 + i)) for i in range(8)]})),
+        ("generate_logprobs", None, post(gen, {**small, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 1})),
+        ("extreme_sampling", "generate_logprobs",
+         post(gen, {**small, "temperature": 100, "top_k": 1 << 20, "top_p": 1e-300, "seed": 2 ** 63 - 1})),
+        ("refused_small", None, declared("/v1/sessions", {"model": "none"})),  # as many, as fast, refused read
+        ("prompt_8MB", "refused_small", declared("/v1/sessions", {"prompt": "x" * (8 << 20)})),  # over every cap: refused unread
+        ("prompt_max_text", None,
+         post("/v1/sessions", {"prompt": fox * int(0.95 * max_prompt_tokens / per_fox)}, delete)),
+        ("prompt_at_byte_cap", "prompt_max_text",  # tokenized, then too many tokens
+         post("/v1/sessions", {"prompt": (fox * (max_prompt_bytes // len(fox) + 1))[:max_prompt_bytes]})),
+        ("push_max_tokens", None, post(f"/v1/sessions/{session()}/push", {"tokens": [7] * max_prompt_tokens})),
+        ("push_over_limit", "push_max_tokens",
+         post(f"/v1/sessions/{sid}/push", {"tokens": [7] * (4 * max_prompt_tokens)})),
+    ]
 
 
 def gaps_within(arrivals: list[float], t0: float, t1: float) -> list[float]:
@@ -77,63 +117,72 @@ def gaps_within(arrivals: list[float], t0: float, t1: float) -> list[float]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phase-s", type=float, default=4.0, help="seconds per phase")
+    ap.add_argument("--rate", type=float, default=100, help="most requests a second in a phase (each waits for "
+                    "the one before): a refused request is cheap, and thousands a second would measure the "
+                    "request rate, not the request")
     ap.add_argument("--model", default="linear")
     ap.add_argument("--max-prompt-tokens", type=int, default=65536)
     ap.add_argument("--prefill-chunk", type=int, default=None, help="the server's prefill_chunk (default: its own)")
+    ap.add_argument("--prefill-share", type=float, default=None, help="the server's prefill_share (default: its own)")
     ap.add_argument("--out", default="benchmarks/results/hostile_stall.json")
     a = ap.parse_args()
     env = {"LINSTREAM_STORE": "memory", "LINSTREAM_MAX_NEW_TOKENS": "1000000",
            "LINSTREAM_MAX_PROMPT_TOKENS": str(a.max_prompt_tokens)}
     if a.prefill_chunk:
         env["LINSTREAM_PREFILL_CHUNK"] = str(a.prefill_chunk)
-    srv = LocalServer([a.model], env)
+    if a.prefill_share is not None:
+        env["LINSTREAM_PREFILL_SHARE"] = str(a.prefill_share)
+    srv = LocalServer([a.model], env, threads=1)
     max_prompt_bytes = 16 * a.max_prompt_tokens  # the server's default
     stop = mp.Event()
     try:
-        with httpx.Client(base_url=srv.url, timeout=120) as c:
-            kinds = hostile_kinds(c, max_prompt_bytes, a.max_prompt_tokens)
+        with httpx.Client(base_url=srv.url, timeout=300) as c:
+            tok = Tokenizer(Settings().checkpoint(a.model) / "tokenizer.json")
+            kinds = phases(c, tok, max_prompt_bytes, a.max_prompt_tokens)
             sid = c.post("/v1/sessions", json={"prompt": PROMPT}).json()["id"]
             mine, theirs = mp.Pipe()
             proc = mp.Process(target=victim, args=(srv.url, sid, stop, theirs), daemon=True)
             proc.start()
             assert mine.recv() == "warm"
-            phases = []
-            for name, send in [("quiet", None), *kinds.items(), ("quiet_after", None)]:
+            ran = []
+            for name, twin, send in [("quiet", None, None), *kinds, ("quiet_after", None, None)]:
                 t0, statuses, n = time.perf_counter(), set(), 0
-                while time.perf_counter() - t0 < a.phase_s:
-                    if send is None:
-                        time.sleep(0.05)
+                while (now := time.perf_counter()) - t0 < a.phase_s:
+                    if send is None or now < t0 + n / a.rate:  # at most --rate requests a second
+                        time.sleep(0.05 if send is None else t0 + n / a.rate - now)
                         continue
                     statuses.add(send())
                     n += 1
-                phases.append((name, t0, time.perf_counter(), n, sorted(statuses)))
+                ran.append((name, twin, t0, time.perf_counter(), n, sorted(map(str, statuses))))
             stop.set()
             arrivals = mine.recv()
             proc.join()
     finally:
         srv.stop()
-    rows = []
-    quiet = None
-    for name, t0, t1, n, statuses in phases:
+    rows, p99s = [], {}
+    for name, twin, t0, t1, n, statuses in ran:
         g = gaps_within(arrivals, t0, t1)
         p50, p99 = pct(g, 0.5), pct(g, 0.99)
-        if name == "quiet":
-            quiet = p99
-        rows.append({"phase": name, "requests": n, "statuses": statuses, "tokens": len(g),
+        p99s[name] = p99
+        ratio = (lambda base: round(p99 / base, 2) if p99 and base else None)
+        rows.append({"phase": name, "twin": twin, "requests": n, "statuses": statuses, "tokens": len(g),
+                     "seconds": round(t1 - t0, 1),
                      "p50_ms": round(1000 * p50, 2) if p50 else None, "p99_ms": round(1000 * p99, 2) if p99 else None,
                      "max_ms": round(1000 * max(g), 2) if g else None,
-                     "p99_vs_quiet": round(p99 / quiet, 2) if p99 and quiet else None})
-    print(f"{'phase':<20}{'requests':>9}  {'statuses':<12}{'tokens':>7}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'p99/quiet':>11}")
+                     "p99_vs_quiet": ratio(p99s["quiet"]), "p99_vs_twin": ratio(p99s.get(twin))})
+    print(f"{'phase':<20}{'twin':<18}{'req':>5}  {'statuses':<10}{'tokens':>7}{'p50 ms':>8}{'p99 ms':>8}"
+          f"{'max ms':>8}{'/quiet':>8}{'/twin':>7}")
     for r in rows:
-        print(f"{r['phase']:<20}{r['requests']:>9}  {','.join(map(str, r['statuses'])) or '-':<12}{r['tokens']:>7}"
-              f"{r['p50_ms'] or 0:>9.2f}{r['p99_ms'] or 0:>9.2f}{r['max_ms'] or 0:>9.2f}{r['p99_vs_quiet'] or 0:>11.2f}")
+        print(f"{r['phase']:<20}{r['twin'] or '-':<18}{r['requests']:>5}  {','.join(r['statuses']) or '-':<10}"
+              f"{r['tokens']:>7}{r['p50_ms'] or 0:>8.2f}{r['p99_ms'] or 0:>8.2f}{r['max_ms'] or 0:>8.2f}"
+              f"{r['p99_vs_quiet'] or 0:>8.2f}{r['p99_vs_twin'] or 0:>7.2f}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": "python benchmarks/hostile_stall.py " + " ".join(sys.argv[1:]),
-                               "model": a.model, "phase_s": a.phase_s, "max_prompt_tokens": a.max_prompt_tokens,
-                               "prefill_chunk": a.prefill_chunk,
-                               "max_prompt_bytes": max_prompt_bytes, "phases": rows}, indent=2) + "\n")
-
+                               "model": a.model, "threads": 1, "phase_s": a.phase_s, "rate": a.rate,
+                               "max_prompt_tokens": a.max_prompt_tokens, "prefill_chunk": a.prefill_chunk,
+                               "prefill_share": a.prefill_share, "max_prompt_bytes": max_prompt_bytes,
+                               "phases": rows}, indent=2) + "\n")
 
 if __name__ == "__main__":
     main()

@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 
 from . import errors
 from .connections import BodyTimeout
-from .errors import body
+from .errors import body, reply
 from .routes import docs, openai, sessions, system
 from .runtime import Runtime
 from .schemas import Restore
@@ -24,17 +24,25 @@ STATIC = Path(__file__).parent / "static"
 
 
 class BodyLimit:
-    """413 for request bodies over the limit, declared (Content-Length) or streamed (chunked)."""
+    """413 for request bodies over the limit, declared (Content-Length) or streamed (chunked).
+    State blobs (application/octet-stream) may take `limit`; every other body is JSON, parsed
+    whole on the event loop, so it gets the smaller `json_limit`, sized to the prompt limits."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, json_limit: int):
+        self.app, self.limit, self.json_limit = app, limit, json_limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await _reject(send, self.limit)
+        headers = dict(scope["headers"])
+        blob = headers.get(b"content-type", b"").startswith(b"application/octet-stream")
+        limit = self.limit if blob else self.json_limit
+        what = "a state blob" if blob else "a JSON request body"
+        message = (f"{what} may hold at most {limit} bytes" +
+                   ("" if blob else f"; state blobs (application/octet-stream) up to {self.limit}"))
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return await _reject(send, message)
         seen = 0
 
         async def limited():
@@ -42,15 +50,19 @@ class BodyLimit:
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
-                if seen > self.limit:
-                    raise HTTPException(413, f"request body exceeds {self.limit} bytes")
+                if seen > limit:
+                    raise BodyTooLarge(413, message)
             return msg
         await self.app(scope, limited, send)
 
 
-async def _reject(send, limit):
+class BodyTooLarge(HTTPException):
+    """Raised from inside the body read: an HTTPException, so FastAPI's body parsing lets it through."""
+
+
+async def _reject(send, message: str):
     import json
-    data = json.dumps(body("request_too_large", f"request body exceeds {limit} bytes")).encode()
+    data = json.dumps(body("request_too_large", message)).encode()
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
     await send({"type": "http.response.body", "body": data})
@@ -99,11 +111,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="linstream", version="0.1.0", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None,
                   description="Streaming inference for recurrent language models, with explicit sessions.")
     errors.install(app)
+    app.add_exception_handler(BodyTooLarge, lambda _, e: reply("request_too_large", e.detail, 413))
     for r in (sessions.router, openai.router, system.router, docs.router):
         app.include_router(r)
     app.openapi = lambda: _openapi(app)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_api_route("/", lambda: FileResponse(STATIC / "index.html"), include_in_schema=False)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, json_limit=settings.max_json_bytes)
     app.add_middleware(BodyTimeout, timeout=settings.body_timeout)
     return app

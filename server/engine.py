@@ -5,8 +5,17 @@ Data path of one token:
   all of them) --> sampler --> Job.events (asyncio queue, via call_soon_threadsafe) --> SSE.
 
 States live in one preallocated slot pool (`State` batched over slots); a session owns a slot.
-Each loop iteration runs queued commands (alloc/free/snapshot/restore), at most one prefill chunk
-(so a long prompt never freezes other streams), then one batched decode step.
+Each loop iteration runs queued commands (alloc/free/snapshot/restore), at most one prefill slice,
+then one batched decode step.
+
+Prefill slices are bounded by time while streams decode: a slice adds its whole cost to every
+stream's next gap, so with generations running it is sized to cost about `prefill_share` of a
+decode iteration (both measured: an EMA of the iteration's seconds, and an EMA of the seconds per
+token of such slices, which converges to the size that meets the budget even though a forward
+pass has a fixed cost). It is never below `min_slice` tokens: under that the fixed cost dominates
+and slicing finer only slows the prefill. With no generation running, a slice is a whole
+`prefill_chunk`. Where a slice ends changes results only within float rounding (the chunked form
+agrees with itself however the tokens are cut).
 
 History = what the client got: the handler counts the events it has handed to the response
 (`Job.yielded`). The engine may consume an emitted token before it is handed over (`lookahead`,
@@ -38,6 +47,10 @@ from model.state import State
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger("linstream.engine")
+
+PREFILL_SHARE = 0.5  # a prefill slice costs about this fraction of a decode iteration while streams run
+MIN_SLICE = 16  # tokens: a smaller forward pass is mostly fixed cost
+EMA = 0.2  # weight of the newest measurement in the cost averages
 
 
 @dataclass
@@ -95,7 +108,7 @@ class Prefill:
 
 class Engine:
     def __init__(self, name: str, model: LM, tok: Tokenizer, slots: int, prefill_chunk: int, max_batch: int,
-                 metrics=None, lookahead: bool = True, compile: str = "off"):
+                 metrics=None, lookahead: bool = True, compile: str = "off", prefill_share: float = PREFILL_SHARE):
         self.name, self.model, self.tok = name, model, tok
         self.stepper = Stepper(model, compile)  # model.step, compiled once warm (model/compiled.py)
         self.pool: State = model.init_state(slots)
@@ -104,6 +117,9 @@ class Engine:
         self.free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest slot: active rows stay contiguous
         self.prefill_chunk, self.max_batch, self.metrics = prefill_chunk, max_batch, metrics
         self.lookahead = lookahead
+        self.prefill_share, self.min_slice = prefill_share, MIN_SLICE  # 0 = whole chunks always
+        self.step_s: float | None = None  # EMA: seconds of a decode iteration that stepped
+        self.token_s: float | None = None  # EMA: seconds per token of the slices sized to the budget
         self.sampler = sample  # replaceable, for fault-injection tests
         self.cmds: deque = deque()
         self.prefills: deque[Prefill] = deque()
@@ -206,15 +222,28 @@ class Engine:
             if self.prefills:
                 self._prefill_chunk(self.prefills[0])
             try:
-                self._decode()
+                t0 = time.perf_counter()
+                if self._decode():
+                    self.step_s = _ema(self.step_s, time.perf_counter() - t0)
             except Exception as e:  # faults are contained per job in _step/_emit; this is a bug
                 log.exception("decode iteration failed; ending %d streams", len(self.jobs))
                 for j in list(self.jobs):
                     self._fail(j, f"internal error: {type(e).__name__}: {e}")
 
+    def slice_len(self) -> int:
+        """Tokens of the next prefill slice: a whole chunk unless streams are decoding."""
+        if not self.jobs or not self.prefill_share:
+            return self.prefill_chunk
+        floor = min(self.min_slice, self.prefill_chunk)
+        if self.step_s is None or self.token_s is None:
+            return floor
+        return max(floor, min(self.prefill_chunk, int(self.prefill_share * self.step_s / self.token_s)))
+
     def _prefill_chunk(self, job: Prefill):
+        budgeted = bool(self.jobs and self.prefill_share)  # streams wait on this slice: measure it
+        t0 = time.perf_counter()
         try:
-            chunk = job.tokens[job.done:job.done + self.prefill_chunk]
+            chunk = job.tokens[job.done:job.done + self.slice_len()]
             st = self.pool.select([job.slot])
             if job.done == 0 and len(job.tokens) > len(chunk):  # several chunks: keep the row to roll back to
                 job.saved = self.pool.copy_rows([job.slot], with_growing=False)
@@ -229,6 +258,8 @@ class Engine:
                 all_logits = torch.cat([prev[:, None], logits[:, :-1]], 1)[0]  # predicts each chunk token
                 job.results += _logprob_entries(all_logits, chunk, job.logprobs, self.tok)
             job.done += len(chunk)
+            if budgeted:
+                self.token_s = _ema(self.token_s, (time.perf_counter() - t0) / len(chunk))
         except Exception as e:
             if job.saved is not None:
                 self.pool.assign([job.slot], job.saved)  # earlier chunks undone: all of the push or none
@@ -239,7 +270,8 @@ class Engine:
             self.prefills.popleft()
             job.loop.call_soon_threadsafe(_settle, job.future, job, None)
 
-    def _decode(self):
+    def _decode(self) -> bool:
+        """Start new jobs and step the ready ones; whether a step ran."""
         first, step = [], []
         for j in list(self.jobs):
             if j.saved is not None and j.yielded >= j.consumed:
@@ -268,6 +300,7 @@ class Engine:
         if step:
             step.sort(key=lambda j: j.slot)
             self._step(step)
+        return bool(step)
 
     def _step(self, step: list[Job], retry: bool = True):
         """One batched step over these jobs' pending tokens. If it raises, every row goes back to
@@ -413,6 +446,10 @@ class Engine:
             j.on_finish(j)
         j.loop.call_soon_threadsafe(j.finished.set)
         j.loop.call_soon_threadsafe(j.events.put_nowait, ("done", None))
+
+
+def _ema(avg: float | None, x: float) -> float:
+    return x if avg is None else avg + EMA * (x - avg)
 
 
 def _settle(fut: asyncio.Future, res, err):

@@ -73,8 +73,8 @@ class Runtime:
                 raise SystemExit(f"two models named {served!r}: give one another name with --name")
             kv = any(b.mixer.time_dims for b in model.blocks)
             slots = settings.max_kv_sessions if kv else settings.max_sessions
-            self.engines[served] = Engine(served, model, tok, slots, settings.prefill_chunk,
-                                          settings.max_batch, self.metrics, settings.lookahead, settings.compile)
+            self.engines[served] = Engine(served, model, tok, slots, settings.prefill_chunk, settings.max_batch,
+                                          self.metrics, settings.lookahead, settings.compile, settings.prefill_share)
         self.default = next(iter(self.engines))
 
     def start(self):

@@ -30,8 +30,15 @@ class Settings(BaseSettings):
     # prompt text per request, checked before tokenizing; 0 = 16 bytes per max_prompt_tokens
     max_prompt_bytes: int = 0
     max_new_tokens: int = 4096  # per generate request
-    max_body_bytes: int = 16 << 20  # request bodies (state blobs included)
-    prefill_chunk: int = 512  # prefill advances this many tokens between two decode steps
+    max_body_bytes: int = 16 << 20  # state blobs (application/octet-stream)
+    # JSON bodies, parsed whole on the event loop; 0 = room for a prompt of max_prompt_bytes with
+    # every byte escaped to 3 (any text but control characters written \u00XX) or for
+    # max_prompt_tokens ids of up to 10 digits ("2147483647, "), whichever is more, plus 64 KiB for other fields
+    max_json_bytes: int = 0
+    prefill_chunk: int = 512  # prefill tokens per slice when no generation is running
+    # while generations run, a prefill slice is sized (by measured costs) to take about this
+    # fraction of a decode step, never under engine.MIN_SLICE tokens; 0 = whole prefill_chunk slices
+    prefill_share: float = Field(0.5, ge=0)
     max_batch: int = 256  # sessions advanced by one decode step
     max_queue: int = 256  # generations waiting beyond max_batch; more are refused with 503
     max_streams_per_key: int = 0  # concurrent generations per API key (0 = unlimited)
@@ -76,6 +83,9 @@ class Settings(BaseSettings):
             raise ValueError(f"{len(self.names)} names for {len(self.models)} models")
         if not self.max_prompt_bytes:
             self.max_prompt_bytes = 16 * self.max_prompt_tokens
+        if not self.max_json_bytes:
+            self.max_json_bytes = min(self.max_body_bytes,
+                                      max(3 * self.max_prompt_bytes, 12 * self.max_prompt_tokens) + (64 << 10))
         return self
 
     def checkpoint(self, name: str) -> Path:

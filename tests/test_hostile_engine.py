@@ -99,8 +99,11 @@ def test_hostile_requests_leave_another_stream_untouched(c, server):
                         errors.append(json.loads(e.data)["finish_reason"])
     t = threading.Thread(target=stream)
     t.start()
-    big = "x" * (4 << 20)  # 4 MB: over max_prompt_bytes (16 x 2048)
+    big = "x" * (4 << 20)  # 4 MB: over the JSON body cap (3 x max_prompt_bytes + 64 KiB), refused unread
     r = c.post("/v1/sessions", json={"prompt": big})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    over = "x" * (16 * 2048 + 1)  # one byte over max_prompt_bytes (16 x 2048): refused before tokenizing
+    r = c.post("/v1/sessions", json={"prompt": over})
     assert r.status_code == 413 and r.json()["error"]["type"] == "prompt_too_long"
     assert "max_prompt_bytes" in r.json()["error"]["message"]
     r = c.post("/v1/completions", json={"prompt": big, "max_tokens": 2})
