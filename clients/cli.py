@@ -26,6 +26,12 @@ def serve(
     api_key: Annotated[Optional[list[str]], typer.Option(help="require this bearer key (repeatable)")] = None,
     api_key_file: Annotated[Optional[str], typer.Option(help="file with one key per line")] = None,
     max_connections: Annotated[Optional[int], typer.Option(help="connections open at once; more get 503 [default 1024]")] = None,
+    prefix_cache_bytes: Annotated[Optional[int], typer.Option(
+        help="bytes of OpenAI requests' prefix states kept, so a re-sent conversation prefills only its new part "
+             "(0 = off) [default 256 MiB]")] = None,
+    prefix_cache_shared: Annotated[Optional[bool], typer.Option(
+        "--prefix-cache-shared/--prefix-cache-per-key",
+        help="share cached prefix states across API keys (single tenant) [default per key]")] = None,
     log_level: Annotated[str, typer.Option()] = "info",
     allocator: Annotated[str, typer.Option(
         envvar="LINSTREAM_ALLOCATOR",
@@ -44,7 +50,8 @@ def serve(
     from server.settings import Settings
     given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
              "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl,
-             "max_connections": max_connections}
+             "max_connections": max_connections, "prefix_cache_bytes": prefix_cache_bytes,
+             "prefix_cache_shared": prefix_cache_shared}
     settings = Settings(**{k: v for k, v in given.items() if v is not None and v != []})
     app = create_app(settings)
 

@@ -57,7 +57,8 @@ def chat_prompt(messages: list[Message]) -> str:
     return "".join(f"{m.role.upper()}:\n{m.content}\n\n" for m in messages) + "ASSISTANT:\n"
 
 
-async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | None, logprobs: int | None):
+async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | None, logprobs: int | None,
+               follow: str = ""):
     """Open or continue the session, push the prompt, start generating. -> (session, engine, job,
     prompt ids, echo logprobs, temp). What can be refused is checked before a temporary session is
     made; once made, it is deleted on any way out (a refusal, an error, a cancellation) until its
@@ -74,11 +75,12 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
     temp = s is None
     if temp:
         rt.admit(eng, owner)  # draining, overloaded or rate-limited: refused before any work
-        s = await rt.create(req.model, None, None, owner, ephemeral=True)
+        # from the longest cached prefix; `follow`: what the next request puts after this completion
+        s = await rt.start_from_prefix(eng, owner, ids, follow, reuse=echo_logprobs is None)
     try:
         async with rt.use(s.id, owner, release=False):
             start = s.position
-            _, pre = await rt.push(s, ids, echo_logprobs)
+            _, pre = await rt.push(s, ids[start:] if temp else ids, echo_logprobs)
             echo = None
             if pre is not None and echo_logprobs is not None:  # the very first token has no context
                 echo = [(t, None if start == 0 and i == 0 else lp, None if start == 0 and i == 0 else top)
@@ -153,7 +155,7 @@ def _finish(done: dict) -> str:
 @router.post("/chat/completions")
 async def chat(req: Chat, rt: RT, owner: Owner):
     req.max_tokens = req.max_completion_tokens or req.max_tokens or 64
-    s, eng, job, _, _, temp = await _run(rt, req, owner, chat_prompt(req.messages), None, None)
+    s, eng, job, _, _, temp = await _run(rt, req, owner, chat_prompt(req.messages), None, None, "\n\n")
     base = {"id": f"chatcmpl-{s.id[5:21]}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": s.model}
 
