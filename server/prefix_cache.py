@@ -20,6 +20,13 @@ Memory: one byte budget over all models, least recently used entries evicted fir
 live in this process only (each replica has its own; a miss costs time, never a wrong answer);
 nothing spills to the store.
 
+Tokenizing a re-sent transcript is O(context) too (about 1 us a token here): the state kept for
+a chat turn as its client re-sends it also keeps the text it stands for and that text's ids, so
+the next request tokenizes only what follows (`tokens`). That is exact where the text kept ends in
+whitespace and the new text goes on with a letter (the next message's role name): byte-level
+BPE never merges across that point (its pre-tokenizer splits there), so the ids of the whole are
+the kept ids followed by the ids of the rest.
+
 Only the event loop touches the cache; the states in it are never stepped (a session starts from
 a copy: Engine.alloc assigns it into the slot pool).
 """
@@ -40,6 +47,9 @@ class _Entry:
     length: int  # tokens consumed: the key's prefix length
     state: State  # one row, compact
     nbytes: int
+    text: bytes | None = None  # key of the transcript text this state stands for (see `tokens`)
+    text_len: int = 0  # that text's UTF-8 length
+    ids: np.ndarray | None = None  # (length,) int32: the text's ids
 
 
 class PrefixCache:
@@ -48,20 +58,27 @@ class PrefixCache:
         self.metrics = metrics
         self.entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self.lengths: dict[tuple[str, str], Counter[int]] = {}  # prefix lengths held per (model, scope)
+        self.texts: dict[bytes, bytes] = {}  # text key -> entry key
+        self.text_lengths: dict[tuple[str, str], Counter[int]] = {}  # UTF-8 lengths of the texts held
         self.nbytes = 0
         self.hits = self.misses = self.saved = self.evictions = 0
 
     @staticmethod
     def _keys(model: str, scope: str, ids: list[int], lengths) -> list[tuple[int, bytes]]:
         """(n, key of ids[:n]) for each n in lengths, one hash walked over ids."""
-        h = hashlib.sha256(f"{model}\0{scope}\0".encode())
-        data = np.asarray(ids, dtype=np.int32).tobytes()
-        out, done = [], 0
-        for n in sorted(lengths):
-            h.update(data[4 * done:4 * n])
-            done = n
-            out.append((n, h.copy().digest()))
-        return out
+        return _walk(f"{model}\0{scope}\0", np.asarray(ids, dtype=np.int32).tobytes(), 4, lengths)
+
+    def tokens(self, model: str, scope: str, text: bytes) -> tuple[int, list[int]]:
+        """(k, ids) where text[:k] is the longest held transcript that text goes on from with a
+        letter, and ids are its ids; (0, []) if none."""
+        held = self.text_lengths.get((model, scope), ())
+        cands = [n for n in held if n < len(text) and chr(text[n]).isalpha() and text[n] < 128]
+        for n, key in reversed(_walk(f"{model}\0{scope}\0text\0", text, 1, cands)):
+            e = self.entries.get(self.texts.get(key, b""))
+            if e is not None:
+                self.entries.move_to_end(self.texts[key])
+                return n, e.ids.tolist()
+        return 0, []
 
     def lookup(self, model: str, scope: str, ids: list[int]) -> tuple[int, State | None]:
         """(n, state after ids[:n]) for the longest cached prefix of ids; (0, None) if none."""
@@ -83,21 +100,29 @@ class PrefixCache:
             self.metrics.prefix_misses.labels(model).inc()
         return 0, None
 
-    def insert(self, model: str, scope: str, ids: list[int], state: State) -> bool:
-        """Keep `state`, which has consumed exactly `ids` (the cache owns it from now on). False
-        when it was not kept: the cache is off, or the state alone is over the budget."""
+    def insert(self, model: str, scope: str, ids: list[int], state: State, text: bytes | None = None) -> bool:
+        """Keep `state`, which has consumed exactly `ids` (the cache owns it from now on), and
+        with `text` (UTF-8, ending in whitespace) the fact that ids are its tokens when a letter
+        follows. False when it was not kept: the cache is off, or it alone is over the budget."""
         if not self.budget or not ids:
             return False
         (_, key), = self._keys(model, scope, ids, [len(ids)])
         if key in self.entries:  # the same tokens from the same start: the same state
             self.entries.move_to_end(key)
             return True
-        nbytes = state.row_nbytes()
-        if nbytes > self.budget:
+        e = _Entry((model, scope), len(ids), state, state.row_nbytes())
+        if text:
+            (_, e.text), = _walk(f"{model}\0{scope}\0text\0", text, 1, [len(text)])
+            e.text_len, e.ids = len(text), np.asarray(ids, dtype=np.int32)
+            e.nbytes += e.ids.nbytes
+        if e.nbytes > self.budget:
             return False
-        self.entries[key] = _Entry((model, scope), len(ids), state, nbytes)
-        self.lengths.setdefault((model, scope), Counter())[len(ids)] += 1
-        self.nbytes += nbytes
+        self.entries[key] = e
+        _count(self.lengths, e.where, len(ids), 1)
+        if e.text:
+            self.texts[e.text] = key
+            _count(self.text_lengths, e.where, e.text_len, 1)
+        self.nbytes += e.nbytes
         while self.nbytes > self.budget:
             self._evict()
         self._gauges()
@@ -106,12 +131,10 @@ class PrefixCache:
     def _evict(self) -> None:
         _, e = self.entries.popitem(last=False)
         self.nbytes -= e.nbytes
-        held = self.lengths[e.where]
-        held[e.length] -= 1
-        if not held[e.length]:
-            del held[e.length]
-            if not held:
-                del self.lengths[e.where]
+        _count(self.lengths, e.where, e.length, -1)
+        if e.text:
+            del self.texts[e.text]
+            _count(self.text_lengths, e.where, e.text_len, -1)
         self.evictions += 1
         if self.metrics:
             self.metrics.prefix_evictions.labels(e.where[0]).inc()
@@ -127,12 +150,33 @@ class PrefixCache:
 NEXT_MESSAGE = "U"
 
 
+def _walk(prefix: str, data: bytes, unit: int, lengths) -> list[tuple[int, bytes]]:
+    """(n, sha256 of prefix + data[:n * unit]) for each n in lengths, one hash walked over data."""
+    h = hashlib.sha256(prefix.encode())
+    out, done = [], 0
+    for n in sorted(lengths):
+        h.update(data[unit * done:unit * n])
+        done = n
+        out.append((n, h.copy().digest()))
+    return out
+
+
+def _count(counts: dict, where, n: int, by: int) -> None:
+    held = counts.setdefault(where, Counter())
+    held[n] += by
+    if not held[n]:
+        del held[n]
+        if not held:
+            del counts[where]
+
+
 @dataclass
 class Turn:
     """One OpenAI request on its way: what it caches when its prompt and its generation end."""
     scope: str
     prompt: list[int]  # the request's prompt ids
     follow: str  # text the next request puts right after this completion (the chat separator)
+    text: str | None  # the prompt's text, when it came as text
     state: State | None = None  # after the prompt, once prefilled
 
 
@@ -141,3 +185,11 @@ def as_resent(text: str, stops: list[str]) -> str:
     sent, though the token carrying it was consumed."""
     cut = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return text[:min(cut)] if cut else text
+
+
+def splits_between(left: str, right: str) -> bool:
+    """Does byte-level BPE split left + right exactly at the join (so its ids are left's ids, as
+    tokenized alone, then right's)? Surely so where left ends in one newline after a non-space
+    and right starts with a non-space, as a chat prompt ('ASSISTANT:\\n') and most replies do."""
+    return (left.endswith("\n") and not left[-2:-1].isspace() and right[:1] != ""
+            and not right[0].isspace())

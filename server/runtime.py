@@ -36,7 +36,7 @@ from .heap import Heap
 from .leases import Leases
 from .limits import TokenBuckets
 from .metrics import Metrics
-from .prefix_cache import NEXT_MESSAGE, PrefixCache, Turn, as_resent
+from .prefix_cache import NEXT_MESSAGE, PrefixCache, Turn, as_resent, splits_between
 from .sessions import Session, SessionDamaged, Snapshot, decode_record, decode_tokens, encode_record, new_id
 from .settings import Settings
 from .store import StoreError, StoreUnavailable, open_store
@@ -463,19 +463,33 @@ class Runtime:
     def _scope(self, owner: str) -> str:
         return "" if self.settings.prefix_cache_shared else owner
 
+    async def prompt_tokens(self, eng: Engine, owner: str, text: str) -> list[int]:
+        """`tokens_of(text)`, tokenizing only what follows the longest cached transcript that
+        text goes on from (prefix_cache.py, `PrefixCache.tokens`)."""
+        data = text.encode() if len(text) <= self.settings.max_prompt_bytes else b""
+        k, head = self.prefixes.tokens(eng.name, self._scope(owner), data) if data else (0, [])
+        if not k or len(data) > self.settings.max_prompt_bytes:
+            return await self.tokens_of(eng, text, None)
+        ids = head + await self.tokens_of(eng, data[k:].decode(), None)
+        if len(ids) > self.settings.max_prompt_tokens:
+            raise APIError(413, "prompt_too_long",
+                           f"{len(ids)} tokens exceed max_prompt_tokens={self.settings.max_prompt_tokens}")
+        return ids
+
     async def start_from_prefix(self, eng: Engine, owner: str, ids: list[int], follow: str = "",
-                                reuse: bool = True) -> Session:
+                                reuse: bool = True, text: str | None = None) -> Session:
         """A temporary session for one OpenAI request whose prompt is ids, started from the longest
         cached prefix of them (reuse=False: from nothing): push ids[s.position:]. The state at the
         end of its prompt is cached, and when its generation ends the state at the end of the
         completion, and the state after the completion as the next request re-sends it
-        (`follow`: the text put right after it, the chat separator)."""
+        (`follow`: the text put right after it, the chat separator; with the prompt's `text`,
+        that transcript's text is kept too, for `prompt_tokens`)."""
         scope = self._scope(owner)
         n, state = self.prefixes.lookup(eng.name, scope, ids) if reuse else (0, None)
         s = await self._new(eng, owner, state, ids[:n], ephemeral=True)
         s.busy = False
         if self.prefixes.budget:
-            self.turns[s.id] = Turn(scope, list(ids), follow, state if ids and n == len(ids) else None)
+            self.turns[s.id] = Turn(scope, list(ids), follow, text, state if ids and n == len(ids) else None)
         return s
 
     async def _cache_prompt(self, s: Session) -> None:
@@ -507,8 +521,10 @@ class Runtime:
             base, rest = (end, tail[len(made):]) if tail[:len(made)] == made else (turn.state, tail)
             if rest:
                 state = await eng.call(lambda: prefill(eng.model, rest, base.clone(), eng.prefill_chunk))
+                sure = probe and turn.text is not None and splits_between(turn.text, text)
+                resent = (turn.text + text + turn.follow).encode() if sure else None
                 if not state.nonfinite():
-                    self.prefixes.insert(s.model, turn.scope, turn.prompt + tail, state)
+                    self.prefixes.insert(s.model, turn.scope, turn.prompt + tail, state, resent)
         except Exception:  # a state not cached costs the next request time, never its answer
             log.exception("session %s: caching its prefix states failed", s.id)
 

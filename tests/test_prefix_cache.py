@@ -7,6 +7,7 @@ import torch
 
 from model.generate import prefill
 from model.lm import LM
+from model.tokenizer import Tokenizer
 from server.app import create_app
 from server.auth import key_id
 from server.prefix_cache import PrefixCache, as_resent
@@ -14,7 +15,7 @@ from server.routes.openai import Message, chat_prompt
 from server.settings import Settings
 
 from .conftest import TINY
-from .helpers import make_checkpoint
+from .helpers import TOKENIZER, make_checkpoint
 
 MODELS = [p.removeprefix("tiny-") for p in TINY]
 A, B = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
@@ -83,6 +84,9 @@ async def test_chat_turns_cached_equal_cold(apps, model, sampling):
         prev = tok.encode(chat_prompt([Message(**m) for m in messages])), got
         _cached_equals_cold(warm, model, prev[0] + tok.encode(got + "\n\nU")[:-1])
         messages += [{"role": "assistant", "content": got}, {"role": "user", "content": f"And turn {turn}?"}]
+        text = chat_prompt([Message(**m) for m in messages])  # tokenized from a kept transcript or not: the same
+        rt = warm.state.runtime
+        assert await rt.prompt_tokens(rt.engines[model], key_id("key-a"), text) == tok.encode(text)
 
 
 def _cached_equals_cold(app, model: str, ids: list[int]) -> None:
@@ -177,6 +181,24 @@ def test_budget_lru_and_longest_prefix(checkpoints):
     assert cache.lookup("m", "a", ids)[0] == 12 and cache.lookup("m", "a", ids[:11])[0] == 3
     assert not PrefixCache(one - 1).insert("m", "a", ids[:3], _state(model, 3))
     assert not PrefixCache(0).insert("m", "a", ids[:3], _state(model, 3))
+
+
+def test_transcript_tokens_kept(checkpoints):
+    """A kept transcript's ids followed by the rest's are the whole text's ids; a text going on
+    otherwise than with a letter, or in another scope, finds nothing."""
+    model, tok = LM.load(checkpoints[0]), Tokenizer(TOKENIZER)
+    cache = PrefixCache(1 << 30)
+    for reply in ["I am here.", "Yes,\n\nand no", "x", "42 ways", "über ALL"]:
+        kept = f"USER:\nWho goes there?\n\nASSISTANT:\n{reply}\n\n"
+        ids = tok.encode(kept + "U")[:-1]
+        with torch.no_grad():
+            cache.insert("m", "a", ids, _state(model, 3), kept.encode())
+        for more in ["USER:\nThen speak.\n\nASSISTANT:\n", "SYSTEM:\nx\n\n"]:
+            k, head = cache.tokens("m", "a", (kept + more).encode())
+            assert k == len(kept.encode()) and head + tok.encode(more) == tok.encode(kept + more)
+        assert cache.tokens("m", "b", (kept + "USER:").encode()) == (0, [])
+        assert cache.tokens("m", "a", (kept + "\nUSER:").encode()) == (0, [])
+        assert cache.tokens("m", "a", kept.encode()) == (0, [])
 
 
 def test_as_resent():

@@ -71,12 +71,12 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
         eng = rt.engines[s.model]
     else:
         s, eng = None, rt.engine(req.model)
-    ids = await (rt.tokens_of(eng, text, None) if isinstance(text, str) else rt.tokens_of(eng, None, text))
+    ids = await (rt.prompt_tokens(eng, owner, text) if isinstance(text, str) else rt.tokens_of(eng, None, text))
     temp = s is None
     if temp:
         rt.admit(eng, owner)  # draining, overloaded or rate-limited: refused before any work
         # from the longest cached prefix; `follow`: what the next request puts after this completion
-        s = await rt.start_from_prefix(eng, owner, ids, follow, reuse=echo_logprobs is None)
+        s = await rt.start_from_prefix(eng, owner, ids, follow, echo_logprobs is None, text if isinstance(text, str) else None)
     try:
         async with rt.use(s.id, owner, release=False):
             start = s.position
