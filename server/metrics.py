@@ -36,9 +36,9 @@ class Metrics:
         self.heap_free = Gauge("linstream_heap_free_bytes", "Bytes the allocator holds beyond those in use",
                                registry=r)
         self.rss = Gauge("linstream_resident_memory_bytes", "Resident memory of the server process", registry=r)
-        self.prefix_hits = Counter("linstream_prefix_cache_hits", "OpenAI requests started from a cached prefix state",
+        self.prefix_hits = Counter("linstream_prefix_cache_hits", "Requests started from a cached prefix state (OpenAI, session create)",
                                    ["model"], registry=r)
-        self.prefix_misses = Counter("linstream_prefix_cache_misses", "OpenAI requests with no cached prefix", ["model"],
+        self.prefix_misses = Counter("linstream_prefix_cache_misses", "Requests with a prompt and no cached prefix of it", ["model"],
                                      registry=r)
         self.prefix_tokens_saved = Counter("linstream_prefix_cache_tokens_saved",
                                            "Prompt tokens not prefilled thanks to the prefix cache", ["model"], registry=r)
