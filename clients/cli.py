@@ -54,6 +54,12 @@ def serve(
         help=f"connections open at once; more get 503 {_default('max_connections')}")] = None,
     compile: Annotated[Optional[str], typer.Option(
         help=f"auto | on | off: compiled decode step, warmed in the background {_default('compile')}")] = None,
+    prefix_cache_bytes: Annotated[Optional[int], typer.Option(
+        help=f"bytes of OpenAI requests' prefix states kept, so a re-sent conversation prefills only its new part "
+             f"(0 = off) {_default('prefix_cache_bytes')}")] = None,
+    prefix_cache_shared: Annotated[Optional[bool], typer.Option(
+        "--prefix-cache-shared/--prefix-cache-per-key",
+        help="share cached prefix states across API keys (single tenant) [default per key]")] = None,
     log_level: Annotated[str, typer.Option(
         help="uvicorn's log level: critical | error | warning | info | debug")] = "info",
     allocator: Annotated[str, typer.Option(
@@ -81,7 +87,8 @@ def serve(
     from server.settings import Settings
     given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
              "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl,
-             "max_connections": max_connections, "names": name, "device": device, "dtype": dtype, "compile": compile}
+             "max_connections": max_connections, "names": name, "device": device, "dtype": dtype, "compile": compile,
+             "prefix_cache_bytes": prefix_cache_bytes, "prefix_cache_shared": prefix_cache_shared}
     settings = Settings(**{k: v for k, v in given.items() if v is not None and v != []})
     app = create_app(settings)
 

@@ -36,3 +36,13 @@ class Metrics:
         self.heap_free = Gauge("linstream_heap_free_bytes", "Bytes the allocator holds beyond those in use",
                                registry=r)
         self.rss = Gauge("linstream_resident_memory_bytes", "Resident memory of the server process", registry=r)
+        self.prefix_hits = Counter("linstream_prefix_cache_hits", "Requests started from a cached prefix state (OpenAI, session create)",
+                                   ["model"], registry=r)
+        self.prefix_misses = Counter("linstream_prefix_cache_misses", "Requests with a prompt and no cached prefix of it", ["model"],
+                                     registry=r)
+        self.prefix_tokens_saved = Counter("linstream_prefix_cache_tokens_saved",
+                                           "Prompt tokens not prefilled thanks to the prefix cache", ["model"], registry=r)
+        self.prefix_evictions = Counter("linstream_prefix_cache_evictions", "Prefix states dropped for the byte budget",
+                                        ["model"], registry=r)
+        self.prefix_bytes = Gauge("linstream_prefix_cache_bytes", "Bytes of prefix states held", registry=r)
+        self.prefix_entries = Gauge("linstream_prefix_cache_entries", "Prefix states held", registry=r)

@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 
 import torch
 
-from model.generate import first_step_nonfinite
+from model.generate import first_step_nonfinite, prefill
 from model.hf import CheckpointError, load_checkpoint
 from model.sampling import SamplingParams
 from model.state import (SnapshotError, SnapshotHistoryMismatch, SnapshotModelMismatch, SnapshotOutOfRange, State,
@@ -35,6 +35,7 @@ from .heap import Heap
 from .leases import Leases
 from .limits import TokenBuckets
 from .metrics import Metrics
+from .prefix_cache import NEXT_MESSAGE, PrefixCache, Turn, as_resent, splits_between
 from .sessions import Session, SessionDamaged, Snapshot, decode_record, decode_tokens, encode_record, new_id
 from .settings import Settings
 from .store import StoreError, StoreUnavailable, open_store
@@ -55,6 +56,8 @@ class Runtime:
         self.background: set[asyncio.Task] = set()
         self.loops: list[asyncio.Task] = []
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.prefixes = PrefixCache(settings.prefix_cache_bytes, self.metrics)
+        self.turns: dict[str, Turn] = {}  # temporary session id -> what its request caches (start_from_prefix)
         self.draining = False  # SIGTERM received: no new generations; running ones end by the deadline
         self.drain_timer: asyncio.TimerHandle | None = None  # ends the generations still running (begin_drain)
         self.leases = Leases(settings.store, settings.replica_lease) if settings.store.startswith(("redis", "unix")) else None
@@ -461,6 +464,75 @@ class Runtime:
         self.sessions[s.id] = s
         return s
 
+    # ---- the prefix cache (prefix_cache.py) ----------------------------------------------
+    def _scope(self, owner: str) -> str:
+        return "" if self.settings.prefix_cache_shared else owner
+
+    async def prompt_tokens(self, eng: Engine, owner: str, text: str) -> list[int]:
+        """`tokens_of(text)`, tokenizing only what follows the longest cached transcript that
+        text goes on from (prefix_cache.py, `PrefixCache.tokens`)."""
+        data = text.encode() if len(text) <= self.settings.max_prompt_bytes else b""
+        k, head = self.prefixes.tokens(eng.name, self._scope(owner), data) if data else (0, [])
+        if not k or len(data) > self.settings.max_prompt_bytes:
+            return await self.tokens_of(eng, text, None)
+        ids = head + await self.tokens_of(eng, data[k:].decode(), None)
+        if len(ids) > self.settings.max_prompt_tokens:
+            raise APIError(413, "prompt_too_long",
+                           f"{len(ids)} tokens exceed max_prompt_tokens={self.settings.max_prompt_tokens}")
+        return ids
+
+    async def start_from_prefix(self, eng: Engine, owner: str, ids: list[int], follow: str = "",
+                                reuse: bool = True, text: str | None = None) -> Session:
+        """A temporary session for one OpenAI request whose prompt is ids, started from the longest
+        cached prefix of them (reuse=False: from nothing): push ids[s.position:]. The state at the
+        end of its prompt is cached, and when its generation ends the state at the end of the
+        completion, and the state after the completion as the next request re-sends it
+        (`follow`: the text put right after it, the chat separator; with the prompt's `text`,
+        that transcript's text is kept too, for `prompt_tokens`)."""
+        scope = self._scope(owner)
+        n, state = self.prefixes.lookup(eng.name, scope, ids) if reuse else (0, None)
+        s = await self._new(eng, owner, state, ids[:n], ephemeral=True)
+        s.busy = False
+        if self.prefixes.budget:
+            self.turns[s.id] = Turn(scope, list(ids), follow, text, state if ids and n == len(ids) else None)
+        return s
+
+    async def _cache_prompt(self, s: Session) -> None:
+        turn, eng = self.turns[s.id], self.engines[s.model]
+        turn.state = await eng.call(lambda: eng.read(s.slot))
+        self.prefixes.insert(s.model, turn.scope, s.tokens, turn.state)
+
+    async def _cache_turn(self, s: Session, job: Job) -> None:
+        """Cache the state after the completion as generated, and after the completion as its
+        client re-sends it: the received text plus `follow`, tokenized as the next request will
+        be (which may merge or split tokens differently), prefilled on a copy from the state
+        that matches (the completion's end, or else the prompt's)."""
+        turn, eng = self.turns.pop(s.id), self.engines[s.model]
+        try:
+            end = await eng.call(lambda: eng.read(s.slot))
+            self.prefixes.insert(s.model, turn.scope, s.tokens, end)
+            if turn.state is None:
+                return
+            made = s.tokens[len(turn.prompt):]
+            text = as_resent(eng.tok.decode(made), job.params.stop if job.finish == "stop" else [])
+            # the next request goes on after `follow`: tokenized alone, its trailing whitespace
+            # would merge into one token where the next request's text splits it
+            probe = NEXT_MESSAGE if turn.follow else ""
+            tail = await asyncio.to_thread(eng.tok.encode, text + turn.follow + probe)
+            if probe:
+                if not tail or eng.tok.decode(tail[-1:]) != probe:
+                    return
+                tail = tail[:-1]
+            base, rest = (end, tail[len(made):]) if tail[:len(made)] == made else (turn.state, tail)
+            if rest:
+                state = await eng.call(lambda: prefill(eng.model, rest, base.clone(), eng.prefill_chunk))
+                sure = probe and turn.text is not None and splits_between(turn.text, text)
+                resent = (turn.text + text + turn.follow).encode() if sure else None
+                if not state.nonfinite():
+                    self.prefixes.insert(s.model, turn.scope, turn.prompt + tail, state, resent)
+        except Exception:  # a state not cached costs the next request time, never its answer
+            log.exception("session %s: caching its prefix states failed", s.id)
+
     # ---- session operations --------------------------------------------------------------
     async def create(self, model: str | None, text: str | None, tokens: list[int] | None, owner: str = "",
                      ephemeral: bool = False) -> Session:
@@ -468,9 +540,10 @@ class Runtime:
         ids = await self.tokens_of(eng, text, tokens)
         if not ephemeral:
             await self.store.ping()
-        s = await self._new(eng, owner, ephemeral=ephemeral)
+        n, state = self.prefixes.lookup(eng.name, self._scope(owner), ids)
+        s = await self._new(eng, owner, state, ids[:n], ephemeral=ephemeral)
         try:
-            await self.persist_new(s, lambda: self.push(s, ids))
+            await self.persist_new(s, lambda: self.push(s, ids[n:]))
         finally:
             s.busy = False
         return s
@@ -513,6 +586,8 @@ class Runtime:
             raise APIError(422, "non_finite_state", str(e)) from None
         s.tokens.extend(ids)
         self.metrics.prompt_tokens.labels(s.model).inc(len(ids))
+        if ids and s.id in self.turns:
+            await self._cache_prompt(s)
         ms = 1000 * (time.perf_counter() - t0)
         try:
             await self.persist(s)
@@ -548,6 +623,8 @@ class Runtime:
                 job.yielded = job.consumed
                 job.error += f"; the last {extra} token(s) sent could not be applied and are not part of the session"
             await self.persist(s)
+            if s.id in self.turns and job.finish != "error":
+                await self._cache_turn(s, job)
         finally:
             s.last_used_at = time.time()
             await self._release(s)
@@ -664,6 +741,7 @@ class Runtime:
     async def _drop(self, s: Session) -> None:
         """Forget a session here (memory and slot), not in the store."""
         self.sessions.pop(s.id, None)
+        self.turns.pop(s.id, None)
         if s.slot is not None:
             eng, slot = self.engines[s.model], s.slot
             s.slot = None

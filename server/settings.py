@@ -57,6 +57,10 @@ class Settings(BaseSettings):
     max_header_bytes: int = 64 << 10
     graceful_shutdown_s: int = 30  # on SIGTERM: stop accepting, let streams finish this long
     lookahead: bool = True  # step a token while its event is being sent (rolled back if it never arrives)
+    # OpenAI requests: states kept where requests ended, so a re-sent conversation prefills only
+    # its new part (prefix_cache.py); a byte budget over all models, LRU; 0 = off
+    prefix_cache_bytes: int = 256 << 20
+    prefix_cache_shared: bool = False  # one cache for every API key (single tenant); else one per key
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     # decode step: auto = compiled (inductor) once warm, eager meanwhile and without a C++ compiler;
     # on = the same but a missing compiler is an error; off = eager only (model/compiled.py)

@@ -62,9 +62,10 @@ def _separator(tail: str) -> str:
 
 
 async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | None, logprobs: int | None,
-               choice: int = 0, transcript: bool = False) -> Run:
+               choice: int = 0, transcript: bool = False, follow: str = "") -> Run:
     """Open or continue the session, push the prompt, start generating. `transcript`: text is
-    chat turns, separated from what a continued session holds. What can be refused is checked
+    chat turns, separated from what a continued session holds; `follow`: what the next request
+    puts after this completion (the prefix cache keeps that state too). What can be refused is checked
     before a temporary session is made; once made, it is deleted on any way out (a refusal, an
     error, a cancellation) until its generation owns it, and then when that ends
     (Runtime.finish_generation)."""
@@ -77,20 +78,21 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
     else:
         s, eng = None, rt.engine(req.model)
     params = _params(req, rt, eng, choice)
-    ids = await (rt.tokens_of(eng, text, None) if isinstance(text, str) else rt.tokens_of(eng, None, text))
+    ids = await (rt.prompt_tokens(eng, owner, text) if isinstance(text, str) else rt.tokens_of(eng, None, text))
     if not ids and (s is None or s.position == 0):
         raise APIError(400, "empty_prompt", "the prompt is empty: send text or token ids" if s is None else
                        f"session {s.id!r} holds no tokens and the prompt is empty: send text or token ids")
     temp = s is None
     if temp:
         rt.admit(eng, owner)  # draining, overloaded or rate-limited: refused before any work
-        s = await rt.create(req.model, None, None, owner, ephemeral=True)
+        # from the longest cached prefix; `follow`: what the next request puts after this completion
+        s = await rt.start_from_prefix(eng, owner, ids, follow, echo_logprobs is None, text if isinstance(text, str) else None)
     try:
         async with rt.use(s.id, owner, release=False):
-            if transcript and s.tokens:
+            if transcript and not temp and s.tokens:  # a continued session: the transcript's separator
                 ids = eng.tok.encode(_separator(eng.tok.decode(s.tokens[-4:]))) + ids
             start = s.position
-            _, pre = await rt.push(s, ids, echo_logprobs)
+            _, pre = await rt.push(s, ids[start:] if temp else ids, echo_logprobs)
             echo = None
             if pre is not None and echo_logprobs is not None:  # the very first token has no context
                 echo = [(t, None if start == 0 and i == 0 else lp, None if start == 0 and i == 0 else top)
@@ -284,7 +286,7 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
     lp = (req.top_logprobs or 0) if req.logprobs else None
 
     def start(k: int):
-        return _run(rt, req, owner, text, None, lp, k, transcript=True)
+        return _run(rt, req, owner, text, None, lp, k, transcript=True, follow="\n\n")
 
     first = await start(0)
     base = {"id": f"chatcmpl-{first.s.id[5:21]}", "object": "chat.completion.chunk", "created": int(time.time()),
