@@ -11,7 +11,7 @@ from model.tokenizer import Tokenizer
 from server.app import create_app
 from server.auth import key_id
 from server.prefix_cache import PrefixCache, as_resent
-from server.routes.openai import Message, chat_prompt
+from server.schemas_openai import Message, chat_prompt
 from server.settings import Settings
 
 from .conftest import TINY
