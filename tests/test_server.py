@@ -221,11 +221,13 @@ async def test_capacity_503_only_when_every_slot_is_busy(client):
     made = [(await new(client, model="mamba"))["id"] for _ in range(8)]  # 8 sessions, 6 slots: spills
     gens = [asyncio.create_task(client.post(f"/v1/sessions/{sid}/generate", json={"stream": False, "max_tokens": 3000}))
             for sid in made[:6]]
-    for _ in range(1000):  # until all six generations hold their sessions (listing changes nothing)
-        listed = (await client.get("/v1/sessions")).json()["data"]
-        if sum(x["busy"] for x in listed if x["id"] in made) == 6:
+    for _ in range(1000):  # until all six generations hold their sessions in slots (listing changes nothing;
+        listed = (await client.get("/v1/sessions")).json()["data"]  # busy comes before a reload's slot)
+        if sum(x["busy"] and x["resident"] for x in listed if x["id"] in made) == 6:
             break
         await asyncio.sleep(0.005)
+    else:
+        raise AssertionError("the six generations never held their slots at once")
     r = await client.post("/v1/sessions", json={"model": "mamba", "prompt": "x"})
     assert r.status_code == 503 and r.headers["retry-after"] and error_type(r) == "at_capacity"
     assert all(g.status_code == 200 for g in await asyncio.gather(*gens))
