@@ -113,6 +113,11 @@ class GenerationStream:
             else:
                 yield ev
 
+    def close(self) -> None:
+        """Stop reading: the connection closes and the server stops the generation; the session
+        keeps exactly the tokens that were sent."""
+        self._it.close()
+
 
 class Client:
     def __init__(self, base_url: str | None = None, api_key: str | None = None, timeout: float | None = None):

@@ -186,9 +186,6 @@ class Engine:
     def read(self, slot: int) -> State:
         return self.pool.select([slot]).compact()
 
-    def fork(self, slot: int) -> int:
-        return self.alloc(self.read(slot))
-
     def row_nbytes(self, slot: int) -> int:
         return self.pool.row_nbytes(slot)
 

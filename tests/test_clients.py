@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from clients.sdk import AtCapacity, Client, NotFound, SessionBusy, SnapshotRejected
+from clients.sdk import Client, NotFound, SessionBusy, SnapshotRejected
 
 from .helpers import ROOT, ServerProcess, make_checkpoint
 
@@ -57,7 +57,13 @@ def test_sdk_covers_the_session_api(server):
         with pytest.raises(NotFound) as e:
             c.get_session(s["id"])
         assert "not found" in e.value.message
-        assert SessionBusy and AtCapacity  # exported for callers
+        s = c.create_session(prompt="ROMEO:")
+        stream = c.generate(s["id"], max_tokens=4000, temperature=0)
+        next(iter(stream))  # the session is now serving this stream
+        with pytest.raises(SessionBusy) as e:
+            c.push(s["id"], text="x")
+        assert "serving another request" in e.value.message
+        stream.close()
 
 
 def test_cli_generate_streams(server):
