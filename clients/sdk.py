@@ -119,7 +119,91 @@ class GenerationStream:
         self._it.close()
 
 
-class Client:
+def _json(r: httpx.Response):
+    return r.json()
+
+
+def _data(r: httpx.Response):
+    return r.json()["data"]
+
+
+def _nothing(r: httpx.Response) -> None:
+    return None
+
+
+class _Requests:
+    """Every request of the API, written once. A method names the request and how to read its
+    answer, and hands both to `_call`: `Client._call` sends it and returns the result,
+    `AsyncClient._call` returns an awaitable of it. Only streaming differs (`generate`)."""
+
+    def _call(self, method: str, path: str, read, **kw):
+        raise NotImplementedError
+
+    # sessions
+    def create_session(self, prompt: str | None = None, tokens: list[int] | None = None, model: str | None = None) -> dict:
+        body = {k: v for k, v in (("prompt", prompt), ("tokens", tokens), ("model", model)) if v is not None}
+        return self._call("POST", "/v1/sessions", _json, json=body)
+
+    def get_session(self, sid: str) -> dict:
+        return self._call("GET", f"/v1/sessions/{sid}", _json)
+
+    def list_sessions(self) -> list[dict]:
+        return self._call("GET", "/v1/sessions", _data)
+
+    def history(self, sid: str) -> dict:
+        return self._call("GET", f"/v1/sessions/{sid}/history", _json)
+
+    def push(self, sid: str, text: str | None = None, tokens: list[int] | None = None) -> dict:
+        body = {"text": text} if text is not None else {"tokens": tokens or []}
+        return self._call("POST", f"/v1/sessions/{sid}/push", _json, json=body)
+
+    def generate_text(self, sid: str, max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
+                      top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
+                      logprobs: int | None = None) -> dict:
+        body = {**_sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs), "stream": False}
+        return self._call("POST", f"/v1/sessions/{sid}/generate", _json, json=body)
+
+    def snapshot(self, sid: str) -> dict:
+        return self._call("POST", f"/v1/sessions/{sid}/snapshot", _json)
+
+    def state(self, sid: str) -> bytes:
+        return self._call("GET", f"/v1/sessions/{sid}/state", lambda r: r.content)
+
+    def restore(self, snapshot_id: str | None = None, blob: bytes | None = None, model: str | None = None) -> dict:
+        if blob is not None:
+            return self._call("POST", "/v1/sessions/restore", _json, content=blob,
+                              params={"model": model} if model else None,
+                              headers={"content-type": "application/octet-stream"})
+        return self._call("POST", "/v1/sessions/restore", _json, json={"snapshot_id": snapshot_id})
+
+    def fork(self, sid: str) -> dict:
+        return self._call("POST", f"/v1/sessions/{sid}/fork", _json)
+
+    def delete(self, sid: str) -> None:
+        return self._call("DELETE", f"/v1/sessions/{sid}", _nothing)
+
+    # OpenAI-compatible and system
+    def completions(self, **body) -> dict:
+        return self._call("POST", "/v1/completions", _json, json=body)
+
+    def chat(self, **body) -> dict:
+        return self._call("POST", "/v1/chat/completions", _json, json=body)
+
+    def models(self) -> list[dict]:
+        return self._call("GET", "/v1/models", _data)
+
+    def health(self) -> dict:
+        return self._call("GET", "/healthz", _json)
+
+    def metrics(self) -> str:
+        return self._call("GET", "/metrics", lambda r: r.text)
+
+
+def _stream_body(max_tokens, temperature, top_p, top_k, seed, stop, logprobs) -> dict:
+    return {**_sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs), "stream": True}
+
+
+class Client(_Requests):
     def __init__(self, base_url: str | None = None, api_key: str | None = None, timeout: float | None = None):
         conf = _Conf.make(base_url, api_key, timeout)
         self.http = httpx.Client(base_url=conf.base_url, headers=conf.headers, timeout=conf.timeout)
@@ -138,27 +222,12 @@ class Client:
         _raise(r)
         return r
 
-    # sessions
-    def create_session(self, prompt: str | None = None, tokens: list[int] | None = None, model: str | None = None) -> dict:
-        body = {k: v for k, v in (("prompt", prompt), ("tokens", tokens), ("model", model)) if v is not None}
-        return self._req("POST", "/v1/sessions", json=body).json()
-
-    def get_session(self, sid: str) -> dict:
-        return self._req("GET", f"/v1/sessions/{sid}").json()
-
-    def list_sessions(self) -> list[dict]:
-        return self._req("GET", "/v1/sessions").json()["data"]
-
-    def history(self, sid: str) -> dict:
-        return self._req("GET", f"/v1/sessions/{sid}/history").json()
-
-    def push(self, sid: str, text: str | None = None, tokens: list[int] | None = None) -> dict:
-        body = {"text": text} if text is not None else {"tokens": tokens or []}
-        return self._req("POST", f"/v1/sessions/{sid}/push", json=body).json()
+    def _call(self, method, path, read, **kw):
+        return read(self._req(method, path, **kw))
 
     def generate(self, sid: str, max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: list[str] | None = None, logprobs: int | None = None) -> GenerationStream:
-        body = {**_sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs), "stream": True}
+        body = _stream_body(max_tokens, temperature, top_p, top_k, seed, stop, logprobs)
 
         def it():
             with connect_sse(self.http, "POST", f"/v1/sessions/{sid}/generate", json=body) as es:
@@ -171,49 +240,10 @@ class Client:
                     yield _event(e.event, e.data)
         return GenerationStream(it())
 
-    def generate_text(self, sid: str, max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
-                      top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
-                      logprobs: int | None = None) -> dict:
-        body = {**_sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs), "stream": False}
-        return self._req("POST", f"/v1/sessions/{sid}/generate", json=body).json()
 
-    def snapshot(self, sid: str) -> dict:
-        return self._req("POST", f"/v1/sessions/{sid}/snapshot").json()
-
-    def state(self, sid: str) -> bytes:
-        return self._req("GET", f"/v1/sessions/{sid}/state").content
-
-    def restore(self, snapshot_id: str | None = None, blob: bytes | None = None, model: str | None = None) -> dict:
-        if blob is not None:
-            return self._req("POST", "/v1/sessions/restore", content=blob, params={"model": model} if model else None,
-                             headers={"content-type": "application/octet-stream"}).json()
-        return self._req("POST", "/v1/sessions/restore", json={"snapshot_id": snapshot_id}).json()
-
-    def fork(self, sid: str) -> dict:
-        return self._req("POST", f"/v1/sessions/{sid}/fork").json()
-
-    def delete(self, sid: str) -> None:
-        self._req("DELETE", f"/v1/sessions/{sid}")
-
-    # OpenAI-compatible and system
-    def completions(self, **body) -> dict:
-        return self._req("POST", "/v1/completions", json=body).json()
-
-    def chat(self, **body) -> dict:
-        return self._req("POST", "/v1/chat/completions", json=body).json()
-
-    def models(self) -> list[dict]:
-        return self._req("GET", "/v1/models").json()["data"]
-
-    def health(self) -> dict:
-        return self._req("GET", "/healthz").json()
-
-    def metrics(self) -> str:
-        return self._req("GET", "/metrics").text
-
-
-class AsyncClient:
-    """The same API with `await`; `generate` is an async iterator of TokenEvent and finally Done."""
+class AsyncClient(_Requests):
+    """The same API with `await` (every method returns an awaitable); `generate` is an async
+    iterator of TokenEvent and finally Done."""
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, timeout: float | None = None,
                  limits: httpx.Limits | None = None):
@@ -235,23 +265,12 @@ class AsyncClient:
         _raise(r)
         return r
 
-    async def create_session(self, prompt=None, tokens=None, model=None) -> dict:
-        body = {k: v for k, v in (("prompt", prompt), ("tokens", tokens), ("model", model)) if v is not None}
-        return (await self._req("POST", "/v1/sessions", json=body)).json()
-
-    async def get_session(self, sid) -> dict:
-        return (await self._req("GET", f"/v1/sessions/{sid}")).json()
-
-    async def history(self, sid) -> dict:
-        return (await self._req("GET", f"/v1/sessions/{sid}/history")).json()
-
-    async def push(self, sid, text=None, tokens=None) -> dict:
-        body = {"text": text} if text is not None else {"tokens": tokens or []}
-        return (await self._req("POST", f"/v1/sessions/{sid}/push", json=body)).json()
+    async def _call(self, method, path, read, **kw):
+        return read(await self._req(method, path, **kw))
 
     async def generate(self, sid, max_tokens=64, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop=None,
                        logprobs=None) -> AsyncIterator[TokenEvent | Done]:
-        body = {**_sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs), "stream": True}
+        body = _stream_body(max_tokens, temperature, top_p, top_k, seed, stop, logprobs)
         async with aconnect_sse(self.http, "POST", f"/v1/sessions/{sid}/generate", json=body) as es:
             if es.response.status_code >= 400:
                 await es.response.aread()
@@ -260,34 +279,3 @@ class AsyncClient:
                 if e.data == "[DONE]":
                     return
                 yield _event(e.event, e.data)
-
-    async def snapshot(self, sid) -> dict:
-        return (await self._req("POST", f"/v1/sessions/{sid}/snapshot")).json()
-
-    async def state(self, sid) -> bytes:
-        return (await self._req("GET", f"/v1/sessions/{sid}/state")).content
-
-    async def restore(self, snapshot_id=None, blob=None, model=None) -> dict:
-        if blob is not None:
-            return (await self._req("POST", "/v1/sessions/restore", content=blob,
-                                    params={"model": model} if model else None,
-                                    headers={"content-type": "application/octet-stream"})).json()
-        return (await self._req("POST", "/v1/sessions/restore", json={"snapshot_id": snapshot_id})).json()
-
-    async def fork(self, sid) -> dict:
-        return (await self._req("POST", f"/v1/sessions/{sid}/fork")).json()
-
-    async def delete(self, sid) -> None:
-        await self._req("DELETE", f"/v1/sessions/{sid}")
-
-    async def completions(self, **body) -> dict:
-        return (await self._req("POST", "/v1/completions", json=body)).json()
-
-    async def chat(self, **body) -> dict:
-        return (await self._req("POST", "/v1/chat/completions", json=body)).json()
-
-    async def models(self) -> list[dict]:
-        return (await self._req("GET", "/v1/models")).json()["data"]
-
-    async def metrics(self) -> str:
-        return (await self._req("GET", "/metrics")).text

@@ -1,5 +1,6 @@
 """SDK and CLI against a real server process: generate, chat save/load, a tiny latency bench
 and a tiny load test whose JSON must hold sane, non-zero figures."""
+import asyncio
 import json
 import os
 import subprocess
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-from clients.sdk import Client, NotFound, SessionBusy, SnapshotRejected
+from clients.sdk import AsyncClient, Client, NotFound, SessionBusy, SnapshotRejected
 
 from .helpers import ROOT, ServerProcess, make_checkpoint
 
@@ -64,6 +65,27 @@ def test_sdk_covers_the_session_api(server):
             c.push(s["id"], text="x")
         assert "serving another request" in e.value.message
         stream.close()
+
+
+def test_async_sdk_makes_the_same_requests(server):
+    """AsyncClient shares every request with Client (sdk._Requests); only streaming differs."""
+    async def run():
+        async with AsyncClient(server.url) as c:
+            s = await c.create_session(prompt="ROMEO:")
+            pushed = await c.push(s["id"], text=" But")
+            evs = [ev async for ev in c.generate(s["id"], max_tokens=4, temperature=0)]
+            f = await c.fork(s["id"])
+            same = [(await c.generate_text(x, max_tokens=5, temperature=0))["tokens"] for x in (s["id"], f["id"])]
+            listed = {x["id"] for x in await c.list_sessions()}
+            for x in (s["id"], f["id"]):
+                await c.delete(x)
+            with pytest.raises(NotFound):
+                await c.get_session(s["id"])
+            return s, pushed, evs, same, listed, f
+    s, pushed, evs, same, listed, f = asyncio.run(run())
+    assert pushed["position"] == s["position"] + pushed["tokens"]
+    assert [type(e).__name__ for e in evs] == ["TokenEvent"] * 4 + ["Done"] and evs[-1].usage["completion_tokens"] == 4
+    assert same[0] == same[1] and {s["id"], f["id"]} <= listed
 
 
 def test_cli_generate_streams(server):
