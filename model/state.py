@@ -1,9 +1,17 @@
 """Session state: everything a generation carries between tokens, as one typed object.
 
-Per layer, a dict of tensors batched on dim 0 (one row per session):
-  linear   S (B, H, K, V), z (B, H, K), conv (B, W-1, 3D)   constant size
-  mamba    h (B, E, N), conv (B, W-1, E)                     constant size
-  softmax  k, v (B, H, C, K) KV cache, conv (B, W-1, 3D)     grows with position
+Per layer, a dict of tensors batched on dim 0 (one row per session); B batch, H heads, K = V =
+D / H head dims, W conv width, E = expand * D, N state size, M random features, P head dim of
+Mamba-2, A = RWKV-4 attention width, C capacity of a KV cache (>= position):
+  linear     S (B, H, K, V), z (B, H, K), conv (B, W-1, 3D)      constant size
+  performer  S (B, H, M, V), z (B, H, M), conv (B, W-1, 3D)      constant size
+  retnet     S (B, H, K, V), z (B, H, K), conv (B, W-1, 3D)      constant size
+  gla        S (B, H, K, V), conv (B, W-1, 3D)                   constant size
+  rwkv       S (B, H, K, V), shift (B, D)                        constant size (RWKV-6)
+  mamba      h (B, E, N), conv (B, W-1, E)                       constant size
+  mamba2     S (B, H, P, N), conv (B, W-1, E + 2 * groups * N)   constant size
+  rwkv4      att_shift, ffn_shift (B, D), num, den, max (B, A)   constant size
+  softmax    k, v (B, H, C, K) KV cache, conv (B, W-1, 3D)       grows with position
 plus position (B,) int64 and next_logits (B, V): the model's prediction after the last consumed
 token, which the next generated token is sampled from. Snapshot = `to_bytes` (safetensors, never pickle); restore = `from_bytes`.
 
