@@ -70,6 +70,7 @@ class Stepper:
         self.seen: dict[int, int] = {}  # the same for every row stepped before the takeover
         self._taken_over = False
         self._scratch: list[Tensor] | None = None  # min_rows-row inputs for small batches
+        self._heads: dict[int, list[Tensor]] = {}  # their first B rows
         self.min_rows, self.kernels = MIN_ROWS, "packed"
         self._warned = False
         why = self._why_eager(mode)
@@ -189,15 +190,15 @@ class Stepper:
         if not self._fits(state):
             return self.model.step(tokens, state)
         if B < self.min_rows:  # copy into a min_rows-row scratch state; the spare rows are never read back
-            flat = [position, *[t for layer in layers for t in layer.values()]]
             if self._scratch is None:
+                flat = [tokens, position, *[t for layer in layers for t in layer.values()]]
                 self._scratch = [t.new_zeros(self.min_rows, *t.shape[1:]) for t in flat]
-            for dst, src in zip(self._scratch, flat):
-                dst[:B].copy_(src)
-            it = iter(self._scratch[1:])
+            if B not in self._heads:  # the first B rows of each scratch tensor, as views, made once
+                self._heads[B] = [t[:B] for t in self._scratch]
+            torch._foreach_copy_(self._heads[B], [tokens, position, *[t for layer in layers for t in layer.values()]])
+            tokens, position, *rest = self._scratch
+            it = iter(rest)
             layers = [{n: next(it) for n in layer} for layer in layers]
-            position = self._scratch[0]
-            tokens = torch.cat([tokens, tokens.new_zeros(self.min_rows - B)])
         logits, new = self.compiled(tokens, layers, position)
         if B < self.min_rows:
             logits, new = logits[:B], [{n: t[:B] for n, t in layer.items()} for layer in new]
