@@ -4,19 +4,22 @@
     logits, state = stepper(tokens, state, rows)   # same contract as LM.step
 
 One graph serves every batch size from MIN_ROWS up: the batch dim is compiled symbolic, so there
-is one compile instead of one per bucket, and no padding copies. The weight matmuls are inductor's
-own C++ GEMM template over weights frozen into the graph and packed once at compile time
-(freezing + max-autotune with the CPP backend only), not the BLAS: every row of every batch size
-runs the same micro-kernel, with the same order of additions, so a row's logits are bit-identical
-whatever the batch (tests/test_compiled.py), from one row up; MKL instead takes a GEMV path below
-4 rows and repacks the weights on every call. The packed kernel costs at one row about what the
-GEMV does (shipped `linear` 0.28 vs 0.91 ms eager per step, one thread). A batch of one is padded
-to MIN_ROWS = 2 rows, because a symbolic dim is specialised at size 1 (a second compile).
-Where the template cannot take a matmul, the step compiles with the BLAS instead (LEGACY), and
-small batches are padded to 4 rows, below which MKL's low bits depend on the batch.
-With one compute thread only: with more, the kernels split a batch's rows between threads by its
-size, and eager and compiled alike lose this. The eager path agrees with the compiled one, and
-with itself across batch sizes, within float tolerance only.
+is one compile instead of one per bucket. The weights are frozen into the graph (the model's
+parameters stop asking for grads) and its matmuls run inductor's own C++ GEMM template over them,
+packed once at compile time (freezing + max-autotune, CPP backend only), not MKL: each row goes
+through the same micro-kernel with the same order of additions whatever the batch, so a row's
+logits and state are bit-identical from one row to hundreds (tests/test_compiled.py). MKL takes a
+GEMV path below 4 rows, with other low bits, and repacks the weights on every call. At one row the
+packed kernel streams the weights about as fast as that GEMV (a shipped model's step ~0.3-0.45 ms
+vs ~1 ms eager, one thread); at 64 rows it is ~1.4x slower than MKL's GEMM. A batch of one is
+padded to MIN_ROWS = 2 rows, because a symbolic dim is specialised at size 1 (a second compile).
+Inductor keeps a few matmuls out of the template (mamba's 32-wide x_proj goes to oneDNN's packed
+linear, also row-exact); where a matmul has no template at all (one between two activations, as
+in performer and rwkv) the step compiles with the BLAS instead (LEGACY) and small batches are padded
+to 4 rows, from which MKL's rows are exact.
+All this with one compute thread only: with more, the kernels split a batch's rows between
+threads by its size, and eager and compiled alike lose it. The eager path agrees with the compiled
+one, and with itself across batch sizes, within float tolerance only.
 
 The takeover from eager never changes a running stream: rows that stepped eagerly keep stepping
 eagerly as long as their slot's position chain continues (a new session in that slot, or any
