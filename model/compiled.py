@@ -50,6 +50,8 @@ LEGACY = ({}, 4)  # the fallback: BLAS matmuls, batches padded to 4 rows
 MAX_ROWS = 1 << 16  # the symbolic batch dim needs an upper bound; far above any max_batch
 CACHE_DIR = Path.home() / ".cache" / "linstream" / "compile"
 MODES = ("auto", "on", "off")
+# inductor's settings are process-wide: two models compiling at once would reset each other's
+_COMPILING = threading.Lock()
 
 
 def compiler_missing() -> str | None:
@@ -124,7 +126,7 @@ class Stepper:
     def _compile(self, options: dict, min_rows: int):
         fn = torch.compile(self.model.step_layers, fullgraph=True)
         # the settings act at compile time, i.e. inside the first call; the step never recompiles
-        with torch._inductor.config.patch(options), torch.no_grad():
+        with _COMPILING, torch._inductor.config.patch(options), torch.no_grad():
             for b in (2 * min_rows, min_rows):
                 st, tokens = self.model.init_state(b), torch.zeros(b, dtype=torch.long)
                 for t in (tokens, st.position, *[x for layer in st.layers for x in layer.values()]):
