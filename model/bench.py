@@ -80,7 +80,7 @@ def bench_compiled(model: LM, batches: list[int], steps: int, mode: str) -> dict
     """Eager vs compiled (model/compiled.py) decode step per batch, timed in alternating rounds
     so that both see the same machine, and the bare weight matmuls at the largest batch."""
     st = Stepper(model, mode, background=False)
-    res = {"compile_s": st.warm_s, "batches": []}
+    res = {"compile_s": st.warm_s, "kernels": getattr(st, "kernels", None) if st.compiled else None, "batches": []}
     for b in batches:
         state = batched(model, model.init_state(1), b) if b > 1 else model.init_state(1)
         tok = torch.zeros(b, dtype=torch.long)

@@ -3,20 +3,27 @@
     stepper = Stepper(model, mode="auto")     # starts compiling in a background thread
     logits, state = stepper(tokens, state, rows)   # same contract as LM.step
 
-One graph serves every batch size from MIN_ROWS up: the batch dim is compiled symbolic (as fast
-as a graph per size: 23.8 vs 25.6 ms at batch 64 for `linear`, one run on a loaded machine), so
-there is one compile instead of one per bucket, and no padding copies. Smaller batches are padded
-to MIN_ROWS rows, because with fewer than 4 rows MKL takes its GEMV path and a row's low bits
-differ; from 4 rows on, with one compute thread, a row's result does not depend on the other rows
-(with more threads MKL splits the rows by the batch size, and eager and compiled alike lose this).
-So in the compiled path a row's logits are bit-identical whatever the batch (tests/test_compiled.py);
-the eager path agrees with it, and with itself across batch sizes, within float tolerance only.
-The padding has a price at batch 1: the M=4 GEMM costs ~1.3-1.5x the M=1 GEMV over the same weights.
+One graph serves every batch size from MIN_ROWS up: the batch dim is compiled symbolic, so there
+is one compile instead of one per bucket. The weights are frozen into the graph (the model's
+parameters stop asking for grads) and its matmuls run inductor's own C++ GEMM template over them,
+packed once at compile time (freezing + max-autotune, CPP backend only), not MKL: each row goes
+through the same micro-kernel with the same order of additions whatever the batch, so a row's
+logits and state are bit-identical from one row to hundreds (tests/test_compiled.py). MKL takes a
+GEMV path below 4 rows, with other low bits, and repacks the weights on every call. At one row the
+packed kernel streams the weights about as fast as that GEMV (a shipped model's step ~0.3-0.45 ms
+vs ~1 ms eager, one thread); at 64 rows it is ~1.4x slower than MKL's GEMM. A batch of one is
+padded to MIN_ROWS = 2 rows, because a symbolic dim is specialised at size 1 (a second compile).
+Inductor keeps a few matmuls out of the template (mamba's 32-wide x_proj goes to oneDNN's packed
+linear, also row-exact); where a matmul has no template at all (one between two activations, as
+in performer and rwkv) the step compiles with the BLAS instead (LEGACY) and small batches are padded
+to 4 rows, from which MKL's rows are exact.
+All this with one compute thread only: with more, the kernels split a batch's rows between
+threads by its size, and eager and compiled alike lose it. The eager path agrees with the compiled
+one, and with itself across batch sizes, within float tolerance only.
 
 The takeover from eager never changes a running stream: rows that stepped eagerly keep stepping
 eagerly as long as their slot's position chain continues (a new session in that slot, or any
-restore, ends the pin). The compile cache lives on disk (TORCHINDUCTOR_CACHE_DIR), so a restart
-re-traces in seconds instead of compiling again.
+restore, ends the pin). The compile cache lives on disk (TORCHINDUCTOR_CACHE_DIR).
 """
 from __future__ import annotations
 
@@ -35,10 +42,16 @@ from .state import State
 
 log = logging.getLogger("linstream.compiled")
 
-MIN_ROWS = 4  # below this the BLAS takes another path and the low bits depend on the batch
+MIN_ROWS = 2  # a symbolic batch dim is specialised at 1: pad a single row to 2
+# inductor settings for the step: weights frozen into the graph (constants it can pack), and its
+# own GEMM template for every matmul (the BLAS's low bits depend on the batch size below 4 rows)
+PACKED = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+LEGACY = ({}, 4)  # the fallback: BLAS matmuls, batches padded to 4 rows
 MAX_ROWS = 1 << 16  # the symbolic batch dim needs an upper bound; far above any max_batch
 CACHE_DIR = Path.home() / ".cache" / "linstream" / "compile"
 MODES = ("auto", "on", "off")
+# inductor's settings are process-wide: two models compiling at once would reset each other's
+_COMPILING = threading.Lock()
 
 
 def compiler_missing() -> str | None:
@@ -61,7 +74,9 @@ class Stepper:
         self.pinned: dict[int, int] = {}  # slot -> next position, for rows that began eagerly
         self.seen: dict[int, int] = {}  # the same for every row stepped before the takeover
         self._taken_over = False
-        self._scratch: list[Tensor] | None = None  # MIN_ROWS-row inputs for small batches
+        self._scratch: list[Tensor] | None = None  # min_rows-row inputs for small batches
+        self._heads: dict[int, list[Tensor]] = {}  # their first B rows
+        self.min_rows, self.kernels = MIN_ROWS, "packed"
         self._warned = False
         why = self._why_eager(mode)
         if why:
@@ -88,24 +103,36 @@ class Stepper:
         return compiler_missing()
 
     def warm(self) -> None:
-        """Compile the step (batch dim symbolic) and run it once at two batch sizes."""
+        """Compile the step (batch dim symbolic) with packed GEMMs, or failing that with the BLAS."""
         t0 = time.perf_counter()
         log.info("compiling the decode step (cache %s), serving eagerly meanwhile", os.environ["TORCHINDUCTOR_CACHE_DIR"])
         # every model compiles its own entry of LM.step_layers: room for many models in one server
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        fn = torch.compile(self.model.step_layers, fullgraph=True)
-        try:
-            with torch.no_grad():
-                for b in (2 * MIN_ROWS, MIN_ROWS):
-                    st, tokens = self.model.init_state(b), torch.zeros(b, dtype=torch.long)
-                    for t in (tokens, st.position, *[x for layer in st.layers for x in layer.values()]):
-                        torch._dynamo.mark_dynamic(t, 0, min=MIN_ROWS, max=MAX_ROWS)
-                    fn(tokens, st.layers, st.position)
-        except Exception:
-            log.exception("compiling the decode step failed; serving eagerly")
+        # frozen weights are constants: the template packs them only if nothing asks for their grads
+        self.model.requires_grad_(False)
+        for kernels, (options, min_rows) in (("packed", (PACKED, MIN_ROWS)), ("blas", LEGACY)):
+            try:
+                fn = self._compile(options, min_rows)
+                break
+            except Exception:
+                log.exception("compiling the decode step with %s kernels failed", kernels)
+        else:
+            log.error("serving eagerly")
             return
+        self.min_rows, self.kernels = min_rows, kernels
         self.compiled, self.warm_s = fn, time.perf_counter() - t0
-        log.info("compiled decode step ready in %.1f s", self.warm_s)
+        log.info("compiled decode step ready in %.1f s (%s matmuls)", self.warm_s, kernels)
+
+    def _compile(self, options: dict, min_rows: int):
+        fn = torch.compile(self.model.step_layers, fullgraph=True)
+        # the settings act at compile time, i.e. inside the first call; the step never recompiles
+        with _COMPILING, torch._inductor.config.patch(options), torch.no_grad():
+            for b in (2 * min_rows, min_rows):
+                st, tokens = self.model.init_state(b), torch.zeros(b, dtype=torch.long)
+                for t in (tokens, st.position, *[x for layer in st.layers for x in layer.values()]):
+                    torch._dynamo.mark_dynamic(t, 0, min=min_rows, max=MAX_ROWS)
+                fn(tokens, st.layers, st.position)
+        return fn
 
     def _fits(self, state: State) -> bool:
         """Inputs the compiled step's guards accept. Anything else would recompile it inside a decode
@@ -167,17 +194,17 @@ class Stepper:
         layers, position = state.layers, state.position
         if not self._fits(state):
             return self.model.step(tokens, state)
-        if B < MIN_ROWS:  # copy into a MIN_ROWS-row scratch state; the spare rows are never read back
-            flat = [position, *[t for layer in layers for t in layer.values()]]
+        if B < self.min_rows:  # copy into a min_rows-row scratch state; the spare rows are never read back
             if self._scratch is None:
-                self._scratch = [t.new_zeros(MIN_ROWS, *t.shape[1:]) for t in flat]
-            for dst, src in zip(self._scratch, flat):
-                dst[:B].copy_(src)
-            it = iter(self._scratch[1:])
+                flat = [tokens, position, *[t for layer in layers for t in layer.values()]]
+                self._scratch = [t.new_zeros(self.min_rows, *t.shape[1:]) for t in flat]
+            if B not in self._heads:  # the first B rows of each scratch tensor, as views, made once
+                self._heads[B] = [t[:B] for t in self._scratch]
+            torch._foreach_copy_(self._heads[B], [tokens, position, *[t for layer in layers for t in layer.values()]])
+            tokens, position, *rest = self._scratch
+            it = iter(rest)
             layers = [{n: next(it) for n in layer} for layer in layers]
-            position = self._scratch[0]
-            tokens = torch.cat([tokens, tokens.new_zeros(MIN_ROWS - B)])
         logits, new = self.compiled(tokens, layers, position)
-        if B < MIN_ROWS:
+        if B < self.min_rows:
             logits, new = logits[:B], [{n: t[:B] for n, t in layer.items()} for layer in new]
         return logits, State(new, state.position + 1, state.time_dims, logits)
