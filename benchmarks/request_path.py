@@ -93,7 +93,13 @@ def requests(c: Client, model: str, reps: int) -> dict:
         c.generate_text(s["id"], max_tokens=1, temperature=0)
         completion.append(time.perf_counter() - t0)
         c.delete(s["id"])
-    return {"create_ms": ms(create), "push_1_ms": ms(push), "completion_1_ms": ms(completion)}
+    floor = []  # the HTTP round trip itself (client and server stack, no session work): GET /healthz
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        c.health()
+        floor.append(time.perf_counter() - t0)
+    return {"create_ms": ms(create), "push_1_ms": ms(push), "completion_1_ms": ms(completion),
+            "healthz_ms": ms(floor)}
 
 
 async def cycles(url: str, model: str, conc: int, duration: float, m: int) -> dict:
