@@ -9,12 +9,15 @@ repeating create -> generate 128 -> delete. Servers are real `linstream serve --
 processes; the client runs in this process (on a small machine it shares the CPUs).
 
     python benchmarks/request_path.py --out benchmarks/results/request_path.json
+    git archive <before> | tar -x -C /tmp/before   # the same client against the code before a change:
+    python benchmarks/request_path.py --server-repo /tmp/before --out /tmp/request_path_before.json
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import sys
@@ -144,15 +147,18 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5, help="streams per single-stream figure (x4 for TTFT, x6 requests)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--compile", default="auto")
+    ap.add_argument("--server-repo", help="serve from this checkout (e.g. the code before a change); default: this one")
     ap.add_argument("--out", default="benchmarks/results/request_path.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    res = {"machine": {"cpu": platform.machine(), "server_threads": 1}, "command": " ".join(sys.argv), "models": {}}
+    res = {"machine": {"cpu": platform.machine(), "cores": os.cpu_count(), "server_threads": 1},
+           "command": " ".join(sys.argv), "server_repo": a.server_repo, "models": {}}
     compute = {x: in_process(x, 200) for x in a.models}
     for store in ("memory", "disk"):
         with tempfile.TemporaryDirectory() as d:
             spec = "memory" if store == "memory" else f"disk:{d}"
-            srv = LocalServer(a.models, {}, "--store", spec, "--compile", a.compile)
+            env = {"PYTHONPATH": a.server_repo} if a.server_repo else {}
+            srv = LocalServer(a.models, env, "--store", spec, "--compile", a.compile, cwd=a.server_repo)
             try:
                 with Client(srv.url, timeout=120) as c:
                     _warm(c, a.models, 3 + 2 * sum(compute[x]["compile_s"] or 0 for x in a.models))
