@@ -5,9 +5,10 @@ Data path of one token:
   all of them) --> sampler --> Job.events (asyncio queue) --> SSE.
 
 What the engine thread hands to the event loop (tokens, done events, command results) is
-collected and delivered with one `call_soon_threadsafe` per event loop per step: each such call
-wakes the loop through its self-pipe (a write and a read syscall, and a loop iteration), which
-per token would cost more than the step itself at batch 64.
+collected and delivered with one `call_soon_threadsafe` per event loop per step, not one per
+token: each call wakes the loop and makes the engine thread wait for the GIL while the loop runs
+(at one stream such calls took almost as many samples as the step itself; see
+benchmarks/results/flames/).
 
 States live in one preallocated slot pool (`State` batched over slots); a session owns a slot.
 Each loop iteration runs queued commands (alloc/free/snapshot/restore), at most one prefill slice,
@@ -228,9 +229,10 @@ class Engine:
                 except Exception as e:  # handed back to the awaiting handler
                     res, err = None, e
                 self._post(loop, _settle, fut, res, err)
+            self._deliver()  # before a prefill slice, which may take a while
             if self.prefills:
                 self._prefill_chunk(self.prefills[0])
-            self._deliver()
+                self._deliver()
             try:
                 t0 = time.perf_counter()
                 if self._decode():
@@ -247,6 +249,8 @@ class Engine:
 
     def _deliver(self) -> None:
         """Hand everything posted since the last call to its event loop, in order: one wake-up per loop."""
+        if not self.outbox:
+            return
         for loop, calls in self.outbox.items():
             try:
                 loop.call_soon_threadsafe(_run_all, calls)
