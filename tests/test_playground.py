@@ -21,11 +21,14 @@ CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.slow
 
 
+LONG = 50_000  # tokens of the stream the page stops: the tiny model must not finish it before the click lands
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
     srv = ServerProcess([str(make_checkpoint(d, "tiny-linear")), str(make_checkpoint(d, "tiny-softmax"))],
-                        None, "--api-key", KEY)
+                        {"LINSTREAM_MAX_NEW_TOKENS": str(LONG)}, "--api-key", KEY)
     yield srv
     srv.stop()
 
@@ -193,7 +196,7 @@ def test_playground_in_chromium(browser, server):
     p.d.find_element(p.By.CSS_SELECTOR, f'#tree button[data-sid="{root}"] + ul button[data-sid="{restored}"]')
 
     # a long stream stopped part-way: the page ends up showing exactly what the session kept
-    p.fill("max-tokens", 4000)
+    p.fill("max-tokens", LONG)
     p.el("generate").click()
     # tokens appear while the stream runs (a token may carry no text yet: part of a UTF-8 character)
     p.wait.until(lambda d: p.el("fig-tokens").text.isdigit() and int(p.el("fig-tokens").text) >= 5
@@ -203,7 +206,7 @@ def test_playground_in_chromium(browser, server):
     p.el("stop").click()
     p.idle()
     hs = p.shows(restored)
-    assert hr["position"] < hs["position"] < hr["position"] + 4000 and hs["text"].startswith(shown)
+    assert hr["position"] < hs["position"] < hr["position"] + LONG and hs["text"].startswith(shown)
     assert p.el("last").text.startswith("stopped: the server kept")
 
     if path := os.environ.get("LINSTREAM_PLAYGROUND_SCREENSHOT"):
