@@ -80,6 +80,9 @@ def _sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs) -> di
 
 
 def _event(kind: str, data: str):
+    """A token or done event. Every one of them carries data: httpx-sse reports the server's
+    keep-alive comments, once an event with an `id:` has been seen, as an empty "message" event
+    (the id persists, as the SSE spec says), which the callers skip."""
     d = json.loads(data)
     if kind == "token":
         return TokenEvent(d["token"], d["text"], d["position"], d.get("logprobs"))
@@ -235,6 +238,8 @@ class Client(_Requests):
                     es.response.read()
                     _raise(es.response)
                 for e in es.iter_sse():
+                    if not e.data:  # a keep-alive comment (see _event)
+                        continue
                     if e.data == "[DONE]":
                         return
                     yield _event(e.event, e.data)
@@ -276,6 +281,8 @@ class AsyncClient(_Requests):
                 await es.response.aread()
                 _raise(es.response)
             async for e in es.aiter_sse():
+                if not e.data:  # a keep-alive comment (see _event)
+                    continue
                 if e.data == "[DONE]":
                     return
                 yield _event(e.event, e.data)

@@ -2,7 +2,13 @@
 
 Data path of one token:
   HTTP handler --submit(Job)--> engine thread: batch of ready jobs --> model.step (one call for
-  all of them) --> sampler --> Job.events (asyncio queue, via call_soon_threadsafe) --> SSE.
+  all of them) --> sampler --> Job.events (asyncio queue) --> SSE.
+
+What the engine thread hands to the event loop (tokens, done events, command results) is
+collected and delivered with one `call_soon_threadsafe` per event loop per step, not one per
+token: each call wakes the loop and makes the engine thread wait for the GIL while the loop runs
+(at one stream such calls took almost as many samples as the step itself; see
+benchmarks/results/flames/).
 
 States live in one preallocated slot pool (`State` batched over slots); a session owns a slot.
 Each loop iteration runs queued commands (alloc/free/snapshot/restore), at most one prefill slice,
@@ -61,6 +67,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     logprobs: int | None = None  # top-n alternatives per token (OpenAI `logprobs`)
     on_finish: Callable[["Job"], None] | None = None  # runs on the engine thread when the state is final
+    state: State | None = None  # the row once final, if on_finish read it (for persisting)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # set once the state is final
     closing: asyncio.Task | None = None  # the task persisting and releasing the session after it
@@ -102,6 +109,8 @@ class Prefill:
     logprobs: int | None = None
     done: int = 0
     results: list = field(default_factory=list)  # (logprob, top) per token when asked
+    read: bool = False  # copy the row once prefilled (into `state`), saving the caller a round trip
+    state: State | None = None
     saved: State | None = None  # the row before the first of several chunks (rolled back to on failure)
     t0: float = field(default_factory=time.perf_counter)
 
@@ -126,6 +135,7 @@ class Engine:
         self.jobs: list[Job] = []
         self.decoders: dict[int, tuple] = {}
         self.cv = threading.Condition()
+        self.outbox: dict[asyncio.AbstractEventLoop, list] = {}  # (fn, *args) per loop, until `_deliver`
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
 
@@ -152,9 +162,9 @@ class Engine:
             self.cv.notify()
         return await fut
 
-    async def prefill(self, slot: int, tokens: list[int], logprobs: int | None = None) -> Prefill:
+    async def prefill(self, slot: int, tokens: list[int], logprobs: int | None = None, read: bool = False) -> Prefill:
         loop = asyncio.get_running_loop()
-        job = Prefill(slot, tokens, loop.create_future(), loop, logprobs)
+        job = Prefill(slot, tokens, loop.create_future(), loop, logprobs, read=read)
         with self.cv:
             self.prefills.append(job)
             self.cv.notify()
@@ -215,9 +225,11 @@ class Engine:
                     res, err = fn(), None
                 except Exception as e:  # handed back to the awaiting handler
                     res, err = None, e
-                loop.call_soon_threadsafe(_settle, fut, res, err)
+                self._post(loop, _settle, fut, res, err)
+            self._deliver()  # before a prefill slice, which may take a while
             if self.prefills:
                 self._prefill_chunk(self.prefills[0])
+                self._deliver()
             try:
                 t0 = time.perf_counter()
                 if self._decode():
@@ -226,6 +238,22 @@ class Engine:
                 log.exception("decode iteration failed; ending %d streams", len(self.jobs))
                 for j in list(self.jobs):
                     self._fail(j, f"internal error: {type(e).__name__}: {e}")
+            self._deliver()
+
+    def _post(self, loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
+        """Queue fn(*args) to run on `loop` at the next `_deliver` (engine thread only)."""
+        self.outbox.setdefault(loop, []).append((fn, *args))
+
+    def _deliver(self) -> None:
+        """Hand everything posted since the last call to its event loop, in order: one wake-up per loop."""
+        if not self.outbox:
+            return
+        for loop, calls in self.outbox.items():
+            try:
+                loop.call_soon_threadsafe(_run_all, calls)
+            except RuntimeError:  # that loop has closed (a test's, or the server's at exit): nobody awaits these
+                pass
+        self.outbox = {}
 
     def slice_len(self) -> int:
         """Tokens of the next prefill slice: a whole chunk unless streams are decoding."""
@@ -261,11 +289,13 @@ class Engine:
             if job.saved is not None:
                 self.pool.assign([job.slot], job.saved)  # earlier chunks undone: all of the push or none
             self.prefills.popleft()
-            job.loop.call_soon_threadsafe(_settle, job.future, None, e)
+            self._post(job.loop, _settle, job.future, None, e)
             return
         if job.done >= len(job.tokens):
             self.prefills.popleft()
-            job.loop.call_soon_threadsafe(_settle, job.future, job, None)
+            if job.read:
+                job.state = self.read(job.slot)
+            self._post(job.loop, _settle, job.future, job, None)
 
     def _decode(self) -> bool:
         """Start new jobs and step the ready ones; whether a step ran."""
@@ -294,6 +324,7 @@ class Engine:
             for j in first:
                 j.t_start = time.perf_counter()
             self._emit(first, self.pool.next_logits[rows])
+            self._deliver()  # first tokens leave now, not after the step below
         if step:
             step.sort(key=lambda j: j.slot)
             self._step(step)
@@ -377,7 +408,7 @@ class Engine:
                     self.metrics.itl.labels(self.name).observe(now - j.t_last)
             j.t_first = j.t_first or now
             j.t_last = now
-            j.loop.call_soon_threadsafe(j.events.put_nowait, ("token", ev))
+            self._post(j.loop, j.events.put_nowait, ("token", ev))
 
     def _sample(self, jobs: list[Job], logits: torch.Tensor) -> list[int | None]:
         """A token per row; None for a job whose sampling failed (that job is ended). After a
@@ -441,12 +472,20 @@ class Engine:
             j.finish = "cancelled" if j.cancelled else "length"
         if j.on_finish:
             j.on_finish(j)
-        j.loop.call_soon_threadsafe(j.finished.set)
-        j.loop.call_soon_threadsafe(j.events.put_nowait, ("done", None))
+        self._post(j.loop, j.finished.set)
+        self._post(j.loop, j.events.put_nowait, ("done", None))
 
 
 def _ema(avg: float | None, x: float) -> float:
     return x if avg is None else avg + EMA * (x - avg)
+
+
+def _run_all(calls: list) -> None:
+    for fn, *args in calls:
+        try:
+            fn(*args)
+        except Exception:  # one bad hand-off must not hold back the others of its step
+            log.exception("delivering %r failed", fn)
 
 
 def _settle(fut: asyncio.Future, res, err):

@@ -41,6 +41,7 @@ from .settings import Settings
 from .store import StoreError, StoreUnavailable, open_store
 
 log = logging.getLogger("linstream")
+INLINE_ENCODE = 1 << 20  # bytes: a state up to this size is checked and serialised on the event loop
 
 
 class Runtime:
@@ -408,7 +409,7 @@ class Runtime:
                 return eng.alloc(state)
             return await eng.call(swap)
 
-    async def persist(self, s: Session) -> None:
+    async def persist(self, s: Session, state: State | None = None) -> None:
         """Write the session to the store, in O(new tokens): first the history tokens the store
         lacks (offset writes into hist/<id>), then the record (metadata, the constant-size state
         blob, and the length and sha256 of the history it covers). A crash between the two leaves
@@ -420,13 +421,21 @@ class Runtime:
         A state that its history does not explain, or that holds NaN/Inf, is never written (it
         would read back as damaged): that is a bug, logged; the store keeps the last good record,
         this copy is forgotten so that the session continues from that record, and the caller
-        gets 500 session_damaged."""
+        gets 500 session_damaged.
+
+        `state`: the session's row as the engine read it when the work that changed it ended (a
+        prefill, a generation), which saves a round trip to the engine thread; else it is read here."""
         if s.ephemeral:
             return
         eng = self.engines[s.model]
-        state = await eng.call(lambda: eng.read(s.slot))
-        n = len(s.tokens)
-        pos, bad = int(state.position[0]), await asyncio.to_thread(state.nonfinite)
+        if state is None:
+            state = await eng.call(lambda: eng.read(s.slot))
+        n, nbytes = len(s.tokens), state.row_nbytes()
+        if nbytes <= INLINE_ENCODE:  # ~0.1-0.3 ms, mostly under the GIL: a worker thread would only add its hop
+            bad, blob = _encode(state, eng.model.fingerprint)
+        else:  # a long KV cache: off the loop
+            bad, blob = await asyncio.to_thread(_encode, state, eng.model.fingerprint)
+        pos = int(state.position[0])
         if pos != s.history_start + n or bad:
             why = f"{bad} holds NaN or Inf" if bad else f"its state is at position {pos}, its history covers {s.history_start + n}"
             log.error("session %s: refusing to write an inconsistent record (%s)", s.id, why)
@@ -436,8 +445,7 @@ class Runtime:
             await self._drop(s)
             raise APIError(500, "session_damaged", f"session {s.id!r} could not be written: {why}. It continues from "
                            "its last stored state")
-        blob = await asyncio.to_thread(state.to_bytes, eng.model.fingerprint)
-        s.state_bytes = state.row_nbytes()
+        s.state_bytes = nbytes
         ttl = self.settings.session_ttl or None
         try:
             if n > s.stored or ttl:  # with a TTL, an empty write still renews the history's expiry
@@ -581,7 +589,7 @@ class Runtime:
         eng = self.engines[s.model]
         t0 = time.perf_counter()
         try:
-            job = await eng.prefill(s.slot, ids, logprobs) if ids else None
+            job = await eng.prefill(s.slot, ids, logprobs, read=not s.ephemeral) if ids else None
         except NonFiniteState as e:  # the session's state (a restored one) cannot take these tokens
             raise APIError(422, "non_finite_state", str(e)) from None
         s.tokens.extend(ids)
@@ -590,7 +598,7 @@ class Runtime:
             await self._cache_prompt(s)
         ms = 1000 * (time.perf_counter() - t0)
         try:
-            await self.persist(s)
+            await self.persist(s, job and job.state)
         except StoreUnavailable as e:
             raise StoreUnavailable(f"{e}; the {len(ids)} tokens were applied: the session is at position {s.position} "
                                    "in this server's memory and is written to the store when it is back") from None
@@ -608,6 +616,8 @@ class Runtime:
         def finished(j: Job):  # engine thread
             self.streams[s.owner] -= 1
             self.buckets.spend(s.owner, j.emitted)
+            if not s.ephemeral:  # the row is final: read it now, saving persist a round trip
+                j.state = eng.read(j.slot)
         job = Job(s.slot, params, asyncio.get_running_loop(), logprobs, finished)
         eng.submit(job)
         return job
@@ -622,7 +632,7 @@ class Runtime:
                 del s.tokens[len(s.tokens) - extra:]
                 job.yielded = job.consumed
                 job.error += f"; the last {extra} token(s) sent could not be applied and are not part of the session"
-            await self.persist(s)
+            await self.persist(s, job.state)
             if s.id in self.turns and job.finish != "error":
                 await self._cache_turn(s, job)
         finally:
@@ -760,6 +770,12 @@ class Runtime:
                     break  # store down: expire on a later sweep
                 await self._drop(s)
                 self.metrics.expired.labels(s.model).inc()
+
+
+def _encode(state: State, fingerprint: str) -> tuple[str | None, bytes | None]:
+    """(the name of a tensor holding NaN/Inf, None) or (None, the state's blob)."""
+    bad = state.nonfinite()
+    return (bad, None) if bad else (None, state.to_bytes(fingerprint))
 
 
 def _owner_of(payload: bytes | None) -> str | None:

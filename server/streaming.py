@@ -102,8 +102,23 @@ async def sse(job: Job, eng: Engine, s: Session, rt):
     is the session's position after it, so a client knows exactly what its session holds."""
     async for kind, ev in events(job, eng, s, rt):
         pos = ev["position"] if kind == "token" else s.position
-        yield {"event": kind, "data": json.dumps(ev), "id": str(pos)}
-    yield {"data": "[DONE]"}
+        yield frame(kind, json.dumps(ev), pos)
+    yield DONE_FRAME
+
+
+def frame(event: str, data: str, id: int) -> bytes:
+    """One SSE event, encoded once: sse-starlette sends bytes as they are, where a dict would
+    go through its ServerSentEvent (a StringIO and regex splits per event). `data` is one line
+    (JSON escapes newlines); the separator is sse-starlette's default, as its pings use."""
+    return b"id: %d\r\nevent: %s\r\ndata: %s\r\n\r\n" % (id, event.encode(), data.encode())
+
+
+def data_frame(data: str) -> bytes:
+    """An unnamed SSE event (the OpenAI streams'), encoded once like `frame`."""
+    return b"data: %s\r\n\r\n" % data.encode()
+
+
+DONE_FRAME = data_frame("[DONE]")
 
 
 async def collect(job: Job, eng: Engine, s: Session, rt) -> dict:

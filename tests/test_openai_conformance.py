@@ -231,3 +231,15 @@ def test_session_stream_events_carry_their_position_and_keep_alive_comments(serv
     httpx.delete(f"{server.url}/v1/sessions/{s['id']}")
     assert len("".join(c.choices[0].text for c in client.completions.create(
         model="linear", prompt="ROMEO:", max_tokens=300, stream=True))) > 0
+
+
+def test_sdk_stream_reads_past_keep_alive_comments(server):
+    """linstream's own SDK on a stream with pings between its events (every 50 ms here):
+    httpx-sse reports a ping that follows an `id:` line as an empty event, which must not end
+    the stream with a JSON error."""
+    from clients.sdk import Client
+    with Client(server.url, timeout=60) as c:
+        s = c.create_session(prompt="ROMEO:")
+        stream = c.generate(s["id"], max_tokens=400)
+        assert len(list(stream)) == 400 and stream.done.finish_reason == "length"
+        c.delete(s["id"])

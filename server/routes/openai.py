@@ -24,7 +24,7 @@ from ..errors import APIError
 from ..schemas import MAX_SEED
 from ..schemas_openai import MAX_RUNS, Chat, Completion, OpenAISampling, chat_prompt, unsupported
 from ..sessions import Session
-from ..streaming import collect, events, let_go, sse_response
+from ..streaming import DONE_FRAME, collect, data_frame, events, let_go, sse_response
 from .deps import RT
 from .sessions import sampling_params
 
@@ -144,19 +144,19 @@ def _streamed(rt, req: OpenAISampling, base: dict, first: Run, count: int, start
                 try:
                     current[0] = await start(k)
                 except APIError as e:
-                    yield {"data": json.dumps({"error": {"type": e.type, "message": e.message}})}
+                    yield data_frame(json.dumps({"error": {"type": e.type, "message": e.message}}))
                     failed = True
                     break
             run, sent = current[0], 0
             for c in render(k, run, "start", None, 0):
-                yield {"data": json.dumps(c)}
+                yield data_frame(json.dumps(c))
             async for kind, ev in events(run.job, run.eng, run.s, rt):
                 if kind == "done" and "error" in ev:
-                    yield {"data": json.dumps({"error": ev["error"]})}
+                    yield data_frame(json.dumps({"error": ev["error"]}))
                     failed = True
                     break
                 for c in render(k, run, kind, ev, sent):
-                    yield {"data": json.dumps(c)}
+                    yield data_frame(json.dumps(c))
                 if kind == "token":
                     sent += len(ev["text"])
                 else:
@@ -165,8 +165,8 @@ def _streamed(rt, req: OpenAISampling, base: dict, first: Run, count: int, start
             if failed:
                 break
         if req.include_usage and not failed:
-            yield {"data": json.dumps({**base, "choices": [], "usage": _usage(prompt, completion)})}
-        yield {"data": "[DONE]"}
+            yield data_frame(json.dumps({**base, "choices": [], "usage": _usage(prompt, completion)}))
+        yield DONE_FRAME
     return sse_response(gen(), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s,
                         lambda: let_go(current[0].job, current[0].eng, current[0].s, rt), rt.settings.sse_ping_s)
 
