@@ -39,6 +39,7 @@ import peers_report  # noqa: E402
 from clients.local_server import LocalServer  # noqa: E402
 from clients.stats import pct  # noqa: E402
 from model.bench import state_at, time_steps  # noqa: E402  (the decode path linstream's engine uses)
+from model.compiled import Stepper  # noqa: E402
 from model.generate import decode, prefill  # noqa: E402
 from model.lm import LM  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
@@ -56,8 +57,11 @@ def in_process(lm_shipped: LM, twin: LM, llm, hf, context: int, steps: int, roun
     load on the machine falls on all of them rather than on one; the table quotes the lowest of
     the rounds' medians (the round least disturbed), the JSON the overall median as well."""
     ctx = [random.Random(0).randrange(twin.cfg.vocab_size) for _ in range(context)]
-    timers = {"linstream": lambda n: time_steps(lm_shipped, state_at(lm_shipped, context), n),
-              "linstream_twin": lambda n: time_steps(twin, state_at(twin, context), n)}
+    # what the server steps with: the compiled step where a C++ compiler exists (model/compiled.py)
+    steps_with = {m: Stepper(m, "auto", background=False) for m in (lm_shipped, twin)}
+    timers = {"linstream": lambda n: time_steps(steps_with[lm_shipped], state_at(lm_shipped, context), n),
+              "linstream_twin": lambda n: time_steps(steps_with[twin], state_at(twin, context), n),
+              "linstream_eager": lambda n: time_steps(lm_shipped, state_at(lm_shipped, context), n)}
     if llm is not None:
         timers["llama_cpp"] = lambda n: peers_llama.decode_times(llm, ctx, n)
     times = {k: [] for k in timers}
@@ -70,6 +74,8 @@ def in_process(lm_shipped: LM, twin: LM, llm, hf, context: int, steps: int, roun
         res[k] = {"ms_best_round": 1000 * min(statistics.median(r) for r in per_round),
                   "ms_median": 1000 * statistics.median(ts), "ms_p99": 1000 * pct(ts, 0.99)}
     res["linstream"]["parameters"], res["linstream_twin"]["parameters"] = lm_shipped.num_params(), twin.num_params()
+    for k, m in (("linstream", lm_shipped), ("linstream_twin", twin)):
+        res[k]["path"] = "compiled" if steps_with[m].compiled is not None else "eager"
     if hf is not None:  # tens of times slower: a few whole generations, after the others
         runs = [peers_hf.generate_ms(hf, ctx, 64) for _ in range(3)]
         res["transformers"] = {"ms_best_round": min(r["ms_per_token"] for r in runs),

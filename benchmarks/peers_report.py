@@ -22,10 +22,14 @@ def table_rows(out: dict) -> list[dict]:
     ip, http, n = out["in_process"], out["http"], out["http"]["max_tokens"]
     get = _get
     rows = [
-        {"figure": f"in-process decode, batch 1 (llama_decode / LM.step; lowest of {ip['rounds']} round medians)",
+        {"figure": f"in-process decode, batch 1 (llama_decode / linstream's {get(ip, 'linstream', 'path') or 'eager'} "
+                   f"step; lowest of {ip['rounds']} round medians)",
          "unit": "ms/token",
          "llama_cpp": get(ip, "llama_cpp", "ms_best_round"), "linstream": get(ip, "linstream", "ms_best_round"),
          "transformers": None, "reference": out["reference"]["in_process_ms_per_token"]},
+        {"figure": "in-process decode, batch 1, linstream's eager step (LM.step)", "unit": "ms/token",
+         "llama_cpp": None, "linstream": get(ip, "linstream_eager", "ms_best_round"),
+         "transformers": None, "reference": None, "systems": ["linstream"]},
         {"figure": f"in-process decode, the same {out['peer_model']['layers']}-layer network in each "
                    "(same rounds; transformers: greedy generate, lowest of 3)", "unit": "ms/token",
          "llama_cpp": get(ip, "llama_cpp", "ms_best_round"), "linstream": get(ip, "linstream_twin", "ms_best_round"),
