@@ -95,6 +95,13 @@ class Stepper:
         else:
             self.warm()
 
+    @property
+    def status(self) -> str:
+        """"compiled", "compiling" (eager meanwhile) or "eager" (off, not possible here, or failed)."""
+        if self.compiled is not None:
+            return "compiled"
+        return "compiling" if self.mode == "on" and self.thread.is_alive() else "eager"
+
     def _why_eager(self, mode: str) -> str | None:
         if mode == "off":
             return "off"

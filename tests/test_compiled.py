@@ -148,16 +148,16 @@ def test_a_fresh_stepper_answers_eagerly_while_it_compiles():
     st, go = held(model)
     state = random_state(model, 2)
     got, _ = st(torch.tensor([1, 2]), state.clone(), rows=[0, 1])
-    assert st.compiled is None
+    assert st.compiled is None and st.status == "compiling"
     go.set()
     assert torch.equal(got, model.step(torch.tensor([1, 2]), state.clone())[0])
-    assert st.wait(120)
+    assert st.wait(120) and st.status == "compiled"
     assert st.pinned == {} and st.seen == {0: int(state.position[0]) + 1, 1: int(state.position[1]) + 1}
 
 
 def test_modes(monkeypatch, caplog):
     model = LM(PRESETS["tiny-softmax"]).eval()
-    assert Stepper(model, "auto").mode == "off"  # a KV cache: eager, with a log line
+    assert Stepper(model, "auto").status == "eager"  # a KV cache: eager, with a log line
     with pytest.raises(RuntimeError, match="KV cache"):
         Stepper(model, "on")
     with pytest.raises(ValueError):

@@ -185,6 +185,7 @@ def test_tokenize_detokenize_health_and_models(server):
     assert httpx.get(server.url + "/health").json() == httpx.get(server.url + "/healthz").json()
     m = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert m["max_model_len"] > 0 and m["state_bytes"] > 0
+    assert m["decode_step"] == "eager"  # the test servers run with LINSTREAM_COMPILE=off (conftest)
 
 
 def test_langchain_and_litellm_where_installed(server):

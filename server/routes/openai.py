@@ -326,7 +326,8 @@ def model_card(rt, name: str, e: Engine) -> dict:
             "mixers": list(e.model.cfg.layer_mixers), "parameters": e.model.num_params(),
             "fingerprint": e.model.fingerprint, "vocab_size": e.model.cfg.vocab_size,
             "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens, "max_prompt_tokens": cfg.max_prompt_tokens,
-            "max_new_tokens": cfg.max_new_tokens, "state_bytes": e.empty.row_nbytes(0), **footprint(e.model)}
+            "max_new_tokens": cfg.max_new_tokens, "state_bytes": e.empty.row_nbytes(0), **footprint(e.model),
+            "decode_step": e.stepper.status}
 
 
 @router.get("/models")
