@@ -131,8 +131,10 @@ def plot(out: dict, path: str) -> None:
         xs = [j + (i - 1.5) * w for j, r in enumerate(lat) if r[key]]
         a.bar(xs, [r[key] for r in lat if r[key]], w, label=name, hatch="//" if key == "reference" else None,
               color=f"C{i}", alpha=0.6 if key == "reference" else 1.0)
-    a.set_xticks(range(len(lat)), ["in-process\n(shipped mamba)", "in-process\n(same network)", "one SSE stream\nmedian gap",
-                                   "one SSE stream\nmean per token"][:len(lat)])
+    names = {"eager step": "in-process\n(eager step)", "same ": "in-process\n(same network)",
+             "mean time": "one SSE stream\nmean per token", "median inter-token": "one SSE stream\nmedian gap"}
+    a.set_xticks(range(len(lat)), [next((v for k, v in names.items() if k in r["figure"]), "in-process\n(shipped mamba)")
+                                   for r in lat])
     a.set_ylabel("ms per token (median)")
     a.set_title("Per-token latency, batch 1, one thread")
     a.legend(fontsize=8)
