@@ -13,6 +13,7 @@ const ui = {
 };
 
 const $ = (id) => document.getElementById(id);
+const DRAW_MS = 100;  // the stream's figures and chart are redrawn this often at most
 
 // ---- actions --------------------------------------------------------------------------------
 
@@ -103,7 +104,7 @@ async function generate() {
   renderControls();
   const seg = {kind: "gen", text: ""}, before = textOf(s);
   const gaps = [];
-  let last = performance.now(), stopped = false, ttft = null;
+  let last = performance.now(), stopped = false, ttft = null, drawTimer = null;
   try {
     const r = await fetch(`/v1/sessions/${s.id}/generate`, {method: "POST", headers: headers(true),
                                                              body: JSON.stringify(body), signal: ctrl.signal});
@@ -119,7 +120,8 @@ async function generate() {
         seg.text += ev.text;
         s.position = ev.position;
         if (ui.current === s.id) appendText(ev.text, "gen");
-        drawStream(gaps.length + 1, ttft, gaps);
+        // redrawn at most every DRAW_MS, not per token: a long stream's gaps are many
+        if (!drawTimer) drawTimer = setTimeout(() => { drawTimer = null; drawStream(gaps.length + 1, ttft, gaps); }, DRAW_MS);
         poll(s);
       } else if (f.event === "done") {
         $("last").textContent = `finish: ${ev.finish_reason}; server: first token ${ev.timings.ttft_ms} ms, `
@@ -132,6 +134,8 @@ async function generate() {
     stopped = true;
   } finally {
     ui.stream = null;
+    clearTimeout(drawTimer);
+    if (ttft !== null) drawStream(gaps.length + 1, ttft, gaps);
   }
   if (stopped) await settle(s, before, seg);
   await refresh(s);
