@@ -61,10 +61,13 @@ class BodyTooLarge(HTTPException):
 
 
 async def _reject(send, message: str):
+    """413 before the body is read. The unread body would otherwise be parsed as the connection's
+    next request (431 or garbage for a keep-alive client), so the connection closes after it."""
     import json
     data = json.dumps(body("request_too_large", message)).encode()
     await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": data})
 
 
@@ -111,7 +114,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="linstream", version="0.1.0", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None,
                   description="Streaming inference for recurrent language models, with explicit sessions.")
     errors.install(app)
-    app.add_exception_handler(BodyTooLarge, lambda _, e: reply("request_too_large", e.detail, 413))
+    # the rest of the body stays unread: the connection closes after the answer (see _reject)
+    app.add_exception_handler(BodyTooLarge, lambda _, e: reply("request_too_large", e.detail, 413, {"Connection": "close"}))
     for r in (sessions.router, openai.router, system.router, docs.router):
         app.include_router(r)
     app.openapi = lambda: _openapi(app)
