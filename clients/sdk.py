@@ -139,9 +139,6 @@ class _Requests:
     answer, and hands both to `_call`: `Client._call` sends it and returns the result,
     `AsyncClient._call` returns an awaitable of it. Only streaming differs (`generate`)."""
 
-    def _call(self, method: str, path: str, read, **kw):
-        raise NotImplementedError
-
     # sessions
     def create_session(self, prompt: str | None = None, tokens: list[int] | None = None, model: str | None = None) -> dict:
         body = {k: v for k, v in (("prompt", prompt), ("tokens", tokens), ("model", model)) if v is not None}
