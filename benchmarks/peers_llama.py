@@ -10,10 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
-from clients.local_server import free_port
+from clients.local_server import free_port, wait_until_up
 
 
 def why_unavailable() -> str | None:
@@ -101,16 +100,8 @@ class LlamaServer:
                 "--port", str(self.port), "--n_threads", "1", "--n_threads_batch", "1", "--n_ctx", str(n_ctx),
                 "--interrupt_requests", "False", "--verbose", "False"]
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
+        if wait_until_up(self.proc, self.url + "/v1/models", 120):
+            return
         self.stop()
         raise RuntimeError(f"llama_cpp.server did not come up; see {log}: "
                            + Path(log).read_text()[-400:].replace("\n", " | "))

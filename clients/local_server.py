@@ -10,6 +10,19 @@ import time
 import httpx
 
 
+def wait_until_up(proc: subprocess.Popen, url: str, within: float) -> bool:
+    """Poll `url` until it answers 200 (True), the process exits or `within` seconds pass (False)."""
+    deadline = time.time() + within
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -26,18 +39,9 @@ class LocalServer:
         for m in models:
             args += ["--model", m]
         self.proc = subprocess.Popen(args, cwd=cwd, env={**os.environ, **(env or {})})
-        deadline = time.time() + 60
-        while time.time() < deadline:  # poll until it answers
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited during start-up")
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("server did not come up")
+        if not wait_until_up(self.proc, self.url + "/healthz", 60):
+            self.stop()
+            raise RuntimeError("server exited during start-up" if self.proc.poll() is not None else "server did not come up")
 
     def stats(self) -> dict:
         """Resident memory (all, anonymous, file-backed pages such as library code) and open file
