@@ -16,10 +16,8 @@ projections run in the weights' dtype, the convolution and the scan in float32 (
 MambaMixer does), so a bfloat16 model's state accumulates without rounding.
 Falcon-Mamba (cfg.bc_norm_eps > 0) adds weightless RMS norms on dt, B and C after x_proj.
 
-The scan's decay differs per (channel, state) pair, so a chunked closed form needs exp of
-cumulative sums that overflow float32 for long chunks; the prefill form therefore computes every
-projection for the whole sequence at once and runs only the elementwise recurrence as a loop
-(the same split as transformers' `slow_forward`).
+The scan is model/ops/selective_scan.py's (its sequence form and its step), the reference
+model/ops/naive.py's.
 """
 from __future__ import annotations
 
@@ -29,32 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.conv import causal_conv, causal_conv_step
+from ..ops.naive import causal_conv_naive, selective_scan_naive
+from ..ops.selective_scan import selective_scan, selective_scan_step
 from . import register
-from .common import causal_conv, causal_conv_step
-
-
-def selective_scan_naive(x, delta, A, B, C, D, h0):
-    """Reference recurrence, float32. x, delta (b, l, e); A (e, n); B, C (b, l, n); h0 (b, e, n)."""
-    h, ys = h0.float().clone(), []
-    for t in range(x.shape[1]):
-        dA = torch.exp(delta[:, t, :, None] * A)  # (b, e, n)
-        h = dA * h + delta[:, t, :, None] * B[:, t, None, :] * x[:, t, :, None]
-        ys.append(torch.einsum("ben,bn->be", h, C[:, t]) + D * x[:, t])
-    return torch.stack(ys, 1), h
-
-
-def selective_scan(x, delta, A, B, C, D, h0=None, output_final_state=False):
-    """Same recurrence with all per-token terms computed at once (b, l, e, n); only the
-    multiply-add runs per step, so the loop body is two elementwise ops."""
-    dA = torch.exp(delta[..., None] * A)  # (b, l, e, n)
-    dBx = (delta * x)[..., None] * B[:, :, None, :]  # (b, l, e, n)
-    h = h0 if h0 is not None else x.new_zeros(x.shape[0], x.shape[2], A.shape[1])
-    hs = []
-    for dA_t, dBx_t in zip(dA.unbind(1), dBx.unbind(1)):  # unbind: one backward op, not T slices
-        h = dA_t * h + dBx_t
-        hs.append(h)
-    y = torch.einsum("blen,bln->ble", torch.stack(hs, 1), C) + D * x
-    return y, (h if output_final_state else None)
 
 
 @register("mamba")
@@ -94,7 +70,7 @@ class Mamba(nn.Module):
         return F.softplus(self.dt_proj(dt.to(self.dt_proj.weight.dtype)).float()), B, C
 
     def forward(self, u, state=None, pos=None):
-        x, z = self.in_proj(u).chunk(2, dim=-1)
+        x, z = self.in_proj(u).chunk(2, dim=-1)  # (b, l, e)
         x, tail = causal_conv(x.float(), None if state is None else state["conv"], *self._conv())
         x = F.silu(x)
         delta, B, C = self._ssm_inputs(x)
@@ -108,19 +84,13 @@ class Mamba(nn.Module):
         x, tail = causal_conv_step(x.float(), state["conv"], *self._conv(), inplace=True)
         x = F.silu(x)
         delta, B, C = self._ssm_inputs(x)
-        # h in place (no state-sized result); the same two ops in the same order as the
-        # out-of-place form, so the bits do not change
-        h = state["h"].mul_(torch.exp(delta[..., None] * -torch.exp(self.A_log))).add_((delta * x)[..., None] * B[:, None, :])
-        y = torch.einsum("ben,bn->be", h, C) + self.D * x
+        y, h = selective_scan_step(x, delta, -torch.exp(self.A_log), B, C, self.D, state["h"], inplace=True)  # (b, e)
         return self.out_proj((y * F.silu(z)).to(u.dtype)), {"h": h, "conv": tail}
 
     def naive(self, u, state, pos=None):
         x, z = self.in_proj(u).chunk(2, dim=-1)
-        tail, xs = state["conv"], []
-        for t in range(u.shape[1]):
-            c, tail = causal_conv_step(x[:, t].float(), tail, *self._conv())
-            xs.append(c)
-        x = F.silu(torch.stack(xs, 1))
+        x, tail = causal_conv_naive(x.float(), state["conv"], *self._conv())
+        x = F.silu(x)
         delta, B, C = self._ssm_inputs(x)
         y, h = selective_scan_naive(x, delta, -torch.exp(self.A_log), B, C, self.D, state["h"])
         return self.out_proj((y * F.silu(z)).to(u.dtype)), {"h": h, "conv": tail}

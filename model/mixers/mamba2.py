@@ -14,10 +14,8 @@ Parameter names follow transformers' Mamba2Mixer (in_proj, conv1d, dt_bias, A_lo
 out_proj). State: S (b, h, p, n) and the conv tail (b, W-1, e + 2 g n), float32 whatever the
 weights' dtype (projections in the weights' dtype, conv and scan in float32).
 
-Because the decay is a scalar per head, a chunk of L tokens has the closed form (sec. 6)
-    y = (C B^T ∘ exp(segsum(a))) (delta x)  +  exp(cumsum a) C S_0            within the chunk
-    S_L = exp(sum a) S_0 + sum_s exp(a_{s+1} + ... + a_L) delta_s x_s B_s^T
-with every exponent <= 0 (the upper triangle is masked before exp), so it cannot overflow.
+The SSD kernels (chunked closed form and step) are model/ops/ssd.py's, the reference
+model/ops/naive.py's.
 """
 from __future__ import annotations
 
@@ -27,39 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.conv import causal_conv, causal_conv_step
+from ..ops.naive import causal_conv_naive, ssd_naive
+from ..ops.ssd import ssd_chunked, ssd_step
 from . import register
-from .common import causal_conv, causal_conv_loop, causal_conv_step
-
-
-def ssd_naive(x, delta, A, B, C, D, S0):
-    """Reference recurrence, float32, token by token. x (b, l, h, p); delta (b, l, h); A, D (h,);
-    B, C (b, l, h, n) (already expanded from groups to heads); S0 (b, h, p, n)."""
-    S, ys = S0.float().clone(), []
-    for t in range(x.shape[1]):
-        S = torch.exp(delta[:, t] * A)[..., None, None] * S \
-            + (delta[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
-        ys.append(torch.einsum("bhpn,bhn->bhp", S, C[:, t]) + D[:, None] * x[:, t])
-    return torch.stack(ys, 1), S
-
-
-def ssd_chunked(x, delta, A, B, C, D, S0, chunk: int):
-    """The same recurrence, a chunk of `chunk` tokens at a time through the closed form above."""
-    ys, S = [], S0
-    for i in range(0, x.shape[1], chunk):
-        xc, dc, Bc, Cc = (t[:, i:i + chunk] for t in (x, delta, B, C))
-        L = xc.shape[1]
-        a = torch.cumsum(dc * A, 1).transpose(1, 2)  # (b, h, L): log decay from the chunk's start
-        seg = a[..., :, None] - a[..., None, :]  # (b, h, L, L): a_t - a_s, the decay from s to t
-        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-        decay = torch.exp(seg.masked_fill(~causal, -math.inf))
-        scores = torch.einsum("blhn,bshn->bhls", Cc, Bc) * decay  # (b, h, L, L)
-        dx = dc[..., None] * xc  # (b, L, h, p)
-        y = torch.einsum("bhls,bshp->blhp", scores, dx)
-        y = y + torch.einsum("blhn,bhpn->blhp", Cc, S) * torch.exp(a).transpose(1, 2)[..., None]
-        ys.append(y + D[:, None] * xc)
-        to_end = torch.exp(a[..., -1:] - a)  # (b, h, L): decay from each token to the chunk's end
-        S = torch.exp(a[..., -1])[..., None, None] * S + torch.einsum("bhs,bshp,bshn->bhpn", to_end, dx, Bc)
-    return torch.cat(ys, 1), S
 
 
 @register("mamba2")
@@ -118,9 +87,9 @@ class Mamba2(nn.Module):
         z, xbc, dt = self._split(u)
         xbc, tail = causal_conv(xbc.float(), None if state is None else state["conv"], *self._conv())
         x, delta, B, C = self._inputs(xbc, dt)
-        S0 = x.new_zeros(u.shape[0], self.h, self.p, self.n) if state is None else state["S"]
         A, D = self._A_D()
-        y, S = ssd_chunked(x, delta, A, B, C, D, S0, self.chunk)
+        y, S = ssd_chunked(x, delta, A, B, C, D, None if state is None else state["S"], state is not None,
+                           self.chunk)  # (b, l, h, p)
         return self._out(y, z, u.dtype), (None if state is None else {"S": S, "conv": tail})
 
     def step(self, u, state, pos=None):
@@ -128,13 +97,12 @@ class Mamba2(nn.Module):
         xbc, tail = causal_conv_step(xbc.float(), state["conv"], *self._conv())
         x, delta, B, C = self._inputs(xbc, dt)  # x (b, h, p), delta (b, h), B, C (b, h, n)
         A, D = self._A_D()
-        S = torch.exp(delta * A)[..., None, None] * state["S"] + (delta[..., None] * x)[..., None] * B[:, :, None]
-        y = torch.einsum("bhpn,bhn->bhp", S, C) + D[:, None] * x
+        y, S = ssd_step(x, delta, A, B, C, D, state["S"])  # (b, h, p)
         return self._out(y, z, u.dtype), {"S": S, "conv": tail}
 
     def naive(self, u, state, pos=None):
         z, xbc, dt = self._split(u)
-        xbc, tail = causal_conv_loop(xbc.float(), state["conv"], *self._conv())
+        xbc, tail = causal_conv_naive(xbc.float(), state["conv"], *self._conv())
         x, delta, B, C = self._inputs(xbc, dt)
         A, D = self._A_D()
         y, S = ssd_naive(x, delta, A, B, C, D, state["S"])

@@ -12,18 +12,22 @@ The parallel form's row sums are a recurrence too: sum_m (q_n k_m^T) gamma^(n-m)
 z_n = gamma z_{n-1} + k_n, and the row scale c_n = sqrt((1-gamma)/(1-gamma^(n+1))) depends only on
 the absolute position n. So all three forms compute c_n q_n S_n / max(|c_n q_n z_n|, 1) exactly, and
 the state is (S, z) plus the position the session already carries.
-The short causal convolution over q/k/v is the one every attention-style mixer here has.
+The short causal convolution over q/k/v and the gated output are common.py's frame; the kernels
+are model/ops/decayed_attn.py's (num and den apart), the reference model/ops/naive.py's.
+
+Shapes: B batch, T time, H heads, K = V = d_model // H. State: S (B, H, K, V), z (B, H, K),
+conv (B, W-1, 3D); the position comes from the session.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from ..ops.decayed_attn import decayed_attn_chunked, decayed_attn_step
+from ..ops.naive import decayed_attn_naive, rope_naive
+from ..ops.rope import rope
 from . import register
-from .common import causal_conv, causal_conv_loop, causal_conv_step
-from .linear import decayed_attn_chunked, decayed_attn_naive, decayed_attn_step
-from .softmax import rope
+from .common import ConvQKV
 
 
 def row_scale(gamma, positions):
@@ -35,38 +39,28 @@ def row_scale(gamma, positions):
 
 
 @register("retnet")
-class Retention(nn.Module):
-    time_dims: dict[str, int] = {}
-
+class Retention(ConvQKV):
     def __init__(self, cfg):
-        super().__init__()
-        D, self.H = cfg.d_model, cfg.n_head
-        self.chunk_size, self.base = cfg.chunk_size, cfg.rope_base
-        self.qkv = nn.Linear(D, 3 * D, bias=False)
-        self.conv = nn.Conv1d(3 * D, 3 * D, cfg.conv_kernel, groups=3 * D)
-        self.gate = nn.Linear(D, D, bias=False)
-        self.out = nn.Linear(D, D, bias=False)
+        super().__init__(cfg)
+        self.base = cfg.rope_base
         self.register_buffer("gamma", 1 - 2.0 ** (-5.0 - torch.arange(self.H, dtype=torch.float32)))
 
     def init_state(self, batch, device=None, dtype=torch.float32):
-        D, H, W = self.out.in_features, self.H, self.conv.kernel_size[0]
-        K = D // H
+        H, K = self.H, self.out.in_features // self.H
         return {"S": torch.zeros(batch, H, K, K, device=device, dtype=dtype),
                 "z": torch.zeros(batch, H, K, device=device, dtype=dtype),
-                "conv": torch.zeros(batch, W - 1, 3 * D, device=device, dtype=dtype)}
+                **self._conv_state(batch, device, dtype)}
 
-    def _qkv(self, qkv, positions):  # (B, T, 3D), positions (B, 1, T) -> 3 x (B, H, T, K)
-        B, T, _ = qkv.shape
-        q, k, v = qkv.view(B, T, 3, self.H, -1).permute(2, 0, 3, 1, 4)
-        q = rope(q, positions, self.base) * q.shape[-1] ** -0.5
-        return q, rope(k, positions, self.base), v
+    def _qkv(self, qkv, positions, rotate=rope):  # (B, T, 3D), positions (B, 1, T) -> 3 x (B, H, T, K)
+        q, k, v = self._split(qkv)
+        q = rotate(q, positions, self.base) * q.shape[-1] ** -0.5
+        return q, rotate(k, positions, self.base), v
 
-    def _out(self, num, den, positions, x):  # num (B, H, T, V), den (B, H, T) -> (B, T, D)
-        B, H, T, V = num.shape
+    def _normed(self, num, den, positions, x):  # num (B, H, T, V), den (B, H, T) -> (B, T, D)
         c = row_scale(self.gamma, positions[:, 0])  # (B, H, T)
         o = (c[..., None] * num) / (c * den).abs().clamp(min=1)[..., None]
-        o = F.layer_norm(o, (V,))  # GroupNorm with one group per head, as in the paper
-        return self.out(o.transpose(1, 2).reshape(B, T, H * V) * F.silu(self.gate(x)))
+        o = F.layer_norm(o, (o.shape[-1],))  # GroupNorm with one group per head, as in the paper
+        return self._out(o, x)
 
     @staticmethod
     def _positions(pos, B, T, device):
@@ -76,26 +70,25 @@ class Retention(nn.Module):
     def forward(self, x, state=None, pos=None):
         B, T, _ = x.shape
         positions = self._positions(pos, B, T, x.device)
-        qkv, tail = causal_conv(self.qkv(x), None if state is None else state["conv"],
-                                self.conv.weight, self.conv.bias)
+        qkv, tail = self._conv_forward(x, state)  # (B, T, 3D)
         q, k, v = self._qkv(qkv, positions)
         init = None if state is None else (state["S"], state["z"])
         num, den, fin = decayed_attn_chunked(q, k, v, self.gamma, init, state is not None, self.chunk_size)
-        y = self._out(num, den, positions, x)
+        y = self._normed(num, den, positions, x)
         return y, (None if state is None else {"S": fin[0], "z": fin[1], "conv": tail})
 
     def step(self, x, state, pos):
         positions = pos[:, None, None]  # (B, 1, 1)
-        qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias, inplace=True)
-        q, k, v = self._qkv(qkv[:, None], positions)
-        num, den, (S, z) = decayed_attn_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.gamma, (state["S"], state["z"]),
-                                             inplace=True)
-        return self._out(num[:, :, None], den[:, :, None], positions, x[:, None])[:, 0], {"S": S, "z": z, "conv": tail}
+        qkv, tail = self._conv_step(x, state)  # (B, 1, 3D)
+        q, k, v = (t[:, :, 0] for t in self._qkv(qkv, positions))  # (B, H, K)
+        num, den, (S, z) = decayed_attn_step(q, k, v, self.gamma, (state["S"], state["z"]), inplace=True)
+        return self._normed(num[:, :, None], den[:, :, None], positions, x[:, None])[:, 0], \
+            {"S": S, "z": z, "conv": tail}
 
     def naive(self, x, state, pos):
         B, T, _ = x.shape
         positions = self._positions(pos, B, T, x.device)
-        qkv, tail = causal_conv_loop(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias)
-        q, k, v = self._qkv(qkv, positions)
+        qkv, tail = self._conv_naive(x, state)
+        q, k, v = self._qkv(qkv, positions, rotate=rope_naive)
         num, den, (S, z) = decayed_attn_naive(q, k, v, self.gamma, (state["S"], state["z"]))
-        return self._out(num, den, positions, x), {"S": S, "z": z, "conv": tail}
+        return self._normed(num, den, positions, x), {"S": S, "z": z, "conv": tail}

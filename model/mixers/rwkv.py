@@ -10,7 +10,7 @@ section 4 (Finch), with x_{t-1} the previous token's input (the token shift):
     wkv_t = diag(u) k_t^T v_t + sum_{i<t} diag(prod_{j=i+1}^{t-1} w_j) k_i^T v_i
     o_t = (SiLU(g_t) * GroupNorm_h(r_t wkv_t)) W_o
 i.e. the recurrence S_t = diag(w_t) S_{t-1} + k_t^T v_t read as r_t (S_{t-1} + diag(u) k_t^T v_t): the
-exclusive form of the gated kernels in gla.py. The session state is the (K, V) matrix per head plus
+exclusive form of the gated kernels in model/ops/gated_attn.py. The session state is the (K, V) matrix per head plus
 the token-shift vector x_{t-1}. As in the reference implementation, the five interpolation LoRAs
 share A (D, 5R) and have one B each; the decay LoRA has its own pair.
 
@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.gated_attn import gated_attn_chunked, gated_attn_step
+from ..ops.naive import gated_attn_naive
 from . import register
-from .gla import gated_attn_chunked, gated_attn_naive, gated_attn_step
 
 MIX_RANK, DECAY_RANK, LOG_DECAY_MIN = 16, 32, -20.0
 

@@ -13,63 +13,29 @@ The mixer is the whole block, norms included (`owns_norms`: the LM adds its outp
 applies no norm of its own), since the channel mix carries a token shift too; the first block also
 normalizes the embeddings (pre_ln, the mixer "rwkv4-in").
 
-State, float32: att_shift, ffn_shift (b, d), the last ln1/ln2 outputs; and the WKV sums kept as
-num, den (b, a) scaled by e^{-max} with max (b, a) their log scale, so no exponent overflows:
-real numerator = num * e^{max}. A chunk's closed form (weights e^{k_s - (t-1-s) w} for s < t,
-e^{u + k_t} at s = t, the prior sums decayed by e^{-t w}) reaches the same max as the token loop:
-max_L = max(max_0 - L w, max_s k_s - (L-1-s) w) is the loop's max(max_{t-1} - w, k_t) unrolled.
+State, float32: att_shift, ffn_shift (b, d), the last ln1/ln2 outputs; and the WKV sums num, den
+(b, a) with their log scale max (b, a). The WKV kernels (chunked closed form and step) and that
+state's layout are model/ops/wkv.py's, the reference model/ops/naive.py's.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ..ops.naive import wkv_naive
+from ..ops.wkv import NO_MAX, wkv_chunked, wkv_step
 from . import register
-
-NO_MAX = -1e38  # the log scale of empty sums (transformers starts from the same value)
-
-
-def wkv_naive(w, u, k, v, num, den, mx):
-    """Reference token loop, float32. w, u (a,); k, v (b, l, a); num, den, mx (b, a)."""
-    out = []
-    for t in range(k.shape[1]):
-        kt, vt = k[:, t], v[:, t]
-        m = torch.maximum(mx, u + kt)
-        e1, e2 = torch.exp(mx - m), torch.exp(u + kt - m)
-        out.append((e1 * num + e2 * vt) / (e1 * den + e2))
-        m = torch.maximum(mx - w, kt)
-        e1, e2 = torch.exp(mx - w - m), torch.exp(kt - m)
-        num, den, mx = e1 * num + e2 * vt, e1 * den + e2, m
-    return torch.stack(out, 1), (num, den, mx)
-
-
-def wkv_chunked(w, u, k, v, num, den, mx, chunk: int):
-    """The same, `chunk` tokens at a time: (b, L, L, a) log-weights, one max per output."""
-    out = []
-    for i in range(0, k.shape[1], chunk):
-        kc, vc = k[:, i:i + chunk], v[:, i:i + chunk]
-        L = kc.shape[1]
-        t = torch.arange(L, device=k.device, dtype=k.dtype)
-        gap = (t[:, None] - 1 - t[None, :])[..., None] * w  # (L, L, a): (t-1-s) w
-        logw = kc[:, None] - gap  # (b, t, s, a)
-        diag = torch.eye(L, dtype=torch.bool, device=k.device)[..., None]
-        logw = torch.where(diag, (u + kc)[:, :, None], logw)
-        logw = logw.masked_fill(~torch.ones(L, L, dtype=torch.bool, device=k.device).tril()[..., None], -torch.inf)
-        prior = mx[:, None] - t[:, None] * w  # (b, t, a): the carried sums decayed by e^{-t w}
-        m = torch.maximum(logw.amax(2), prior)
-        p, e = torch.exp(logw - m[:, :, None]), torch.exp(prior - m)
-        out.append((torch.einsum("btsa,bsa->bta", p, vc) + e * num[:, None]) / (p.sum(2) + e * den[:, None]))
-        to_end = kc - (L - 1 - t)[:, None] * w  # (b, L, a): each token's weight at the chunk's end
-        prior = mx - L * w
-        m = torch.maximum(to_end.amax(1), prior)
-        p, e = torch.exp(to_end - m[:, None]), torch.exp(prior - m)
-        num, den, mx = (p * vc).sum(1) + e * num, p.sum(1) + e * den, m
-    return torch.cat(out, 1), (num, den, mx)
 
 
 def shift(x, last):
     """x (b, l, d) -> each token's predecessor, the first one's being `last` (b, d)."""
     return torch.cat([last[:, None], x[:, :-1]], 1)
+
+
+def _one_token(k, v, w, u, state):
+    """`wkv_step` on a sequence of one token: k, v (b, 1, a)."""
+    out, state = wkv_step(k[:, 0], v[:, 0], w, u, state)
+    return out[:, None], state
 
 
 class ChannelMix(nn.Module):
@@ -129,8 +95,8 @@ class RWKV4(nn.Module):
         x0 = x
         x = self.pre(x)
         h = self.ln1(x)
-        r, k, v = self.attention.inputs(h, shift(h, state["att_shift"].to(h.dtype)))
-        y, (num, den, mx) = wkv(*self.attention.w_u(), k, v, state["num"], state["den"], state["max"])
+        r, k, v = self.attention.inputs(h, shift(h, state["att_shift"].to(h.dtype)))  # (b, l, a)
+        y, (num, den, mx) = wkv(k, v, *self.attention.w_u(), (state["num"], state["den"], state["max"]))
         x = x + self.attention.output((r * y).to(x.dtype))
         g = self.ln2(x)
         x = x + self.feed_forward(g, shift(g, state["ffn_shift"].to(g.dtype)))
@@ -142,11 +108,11 @@ class RWKV4(nn.Module):
 
     def forward(self, u, state=None, pos=None):
         st = state if state is not None else self.init_state(u.shape[0], u.device)
-        y, new = self._run(u, st, lambda *a: wkv_chunked(*a, self.chunk))
+        y, new = self._run(u, st, lambda *a: wkv_chunked(*a, output_final_state=True, chunk_size=self.chunk))
         return y, (None if state is None else new)
 
     def step(self, u, state, pos=None):
-        y, new = self._run(u[:, None], state, wkv_naive)
+        y, new = self._run(u[:, None], state, _one_token)
         return y[:, 0], new
 
     def naive(self, u, state, pos=None):

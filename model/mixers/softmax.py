@@ -14,19 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops.conv import causal_conv, causal_conv_step
+from ..ops.rope import rope
 from . import register
-from .common import causal_conv, causal_conv_step
-
-
-def rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
-    """Rotate pairs (x[..., :K/2], x[..., K/2:]) by angle position * base^(-2i/K).
-    x (..., T, K); positions broadcastable to (..., T)."""
-    K = x.shape[-1]
-    inv = base ** (-torch.arange(0, K // 2, device=x.device, dtype=torch.float32) * 2 / K)  # (K/2,)
-    ang = positions.to(torch.float32)[..., None] * inv  # (..., T, K/2)
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    x1, x2 = x[..., : K // 2], x[..., K // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
 def grow_cache(t: Tensor, need: int) -> Tensor:
