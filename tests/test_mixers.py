@@ -1,20 +1,11 @@
-"""Every mixer: naive token loop == chunked/parallel == one-token steps, outputs and final state."""
+"""Every mixer: naive token loop == chunked/parallel == one-token steps, outputs and final state.
+The kernels themselves (model/ops) are tested against their references in tests/test_ops.py."""
 import pytest
 import torch
 
-from model.mixers.gla import gated_attn_chunked, gated_attn_naive, gated_attn_step
-from model.mixers.linear import (
-    decayed_attn_naive,
-    feature_map,
-    linear_attn_chunked,
-    linear_attn_naive,
-    linear_attn_noncausal,
-    linear_attn_noncausal_recurrent,
-    linear_attn_step,
-)
-from model.mixers.mamba import selective_scan, selective_scan_naive
 from model.mixers.performer import orthogonal_features
 from model.mixers.retnet import row_scale
+from model.ops.naive import decayed_attn_naive
 
 from .conftest import random_state
 
@@ -60,50 +51,6 @@ def test_training_form_matches_stateful(tiny):
     torch.testing.assert_close(a, b, **TOL)
 
 
-@pytest.mark.parametrize("T,chunk", [(1, 4), (13, 4), (16, 4), (16, 64)])
-def test_linear_kernels(T, chunk):
-    g = torch.Generator().manual_seed(0)
-    B, H, K = 2, 3, 5
-    q, k = (feature_map(torch.randn(B, H, T, K, generator=g)) for _ in range(2))
-    v = torch.randn(B, H, T, K, generator=g)
-    gamma = torch.tensor([0.5, 0.9, 1.0])
-    S0, z0 = torch.rand(B, H, K, K, generator=g), torch.rand(B, H, K, generator=g)
-    on, (Sn, zn) = linear_attn_naive(q, k, v, gamma, (S0, z0))
-    oc, (Sc, zc) = linear_attn_chunked(q, k, v, gamma, (S0, z0), True, chunk_size=chunk)
-    st, os_ = (S0, z0), []
-    inp = (S0.transpose(2, 3).clone().transpose(2, 3), z0.clone())  # the decode form, on a non-contiguous S
-    for t in range(T):
-        o, st = linear_attn_step(q[:, :, t], k[:, :, t], v[:, :, t], gamma, st)
-        oi, out = linear_attn_step(q[:, :, t], k[:, :, t], v[:, :, t], gamma, inp, inplace=True)
-        assert out[0] is inp[0] and out[1] is inp[1]  # updated where it lies
-        torch.testing.assert_close(oi, o, **TOL)
-        os_.append(o)
-    for o in (oc, torch.stack(os_, 2)):
-        torch.testing.assert_close(o, on, **TOL)
-    for S, z in ((Sc, zc), st, inp):
-        torch.testing.assert_close(S, Sn, **TOL)
-        torch.testing.assert_close(z, zn, **TOL)
-
-
-def test_linear_noncausal_matrix_form_equals_recurrent_sum():
-    g = torch.Generator().manual_seed(0)
-    q, k = (feature_map(torch.randn(2, 3, 11, 4, generator=g)) for _ in range(2))
-    v = torch.randn(2, 3, 11, 6, generator=g)
-    torch.testing.assert_close(linear_attn_noncausal(q, k, v), linear_attn_noncausal_recurrent(q, k, v), **TOL)
-
-
-def test_selective_scan_forms():
-    g = torch.Generator().manual_seed(0)
-    b, l, e, n = 2, 9, 6, 4
-    x, C, B = torch.randn(b, l, e, generator=g), torch.randn(b, l, n, generator=g), torch.randn(b, l, n, generator=g)
-    delta = torch.rand(b, l, e, generator=g)
-    A, D, h0 = -torch.rand(e, n, generator=g) * 4, torch.randn(e, generator=g), torch.randn(b, e, n, generator=g)
-    yn, hn = selective_scan_naive(x, delta, A, B, C, D, h0)
-    yp, hp = selective_scan(x, delta, A, B, C, D, h0, True)
-    torch.testing.assert_close(yp, yn, **TOL)
-    torch.testing.assert_close(hp, hn, **TOL)
-
-
 def test_state_bytes_constant_for_recurrent(tiny):
     s = tiny.init_state(1)
     with torch.no_grad():
@@ -121,50 +68,6 @@ def test_mamba_parameter_names_match_transformers():
     names = {n.split("mixer.", 1)[1] for n, _ in LM(PRESETS["tiny-mamba"]).named_parameters() if ".mixer." in n}
     assert names == {"in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
                      "dt_proj.bias", "A_log", "D", "out_proj.weight"}
-
-
-@pytest.mark.parametrize("exclusive", [False, True])  # GLA's form; RWKV-6's (read before write + bonus)
-@pytest.mark.parametrize("T,chunk", [(1, 4), (13, 4), (16, 4), (16, 64)])
-def test_gated_kernels(T, chunk, exclusive):
-    g = torch.Generator().manual_seed(0)
-    B, H, K, V = 2, 3, 5, 4
-    q, k = torch.randn(B, H, T, K, generator=g), torch.randn(B, H, T, K, generator=g)
-    v = torch.randn(B, H, T, V, generator=g)
-    logd = -torch.rand(B, H, T, K, generator=g) * 3  # per-token, per-channel log decay
-    bonus = torch.randn(H, K, generator=g) if exclusive else None
-    S0 = torch.randn(B, H, K, V, generator=g)
-    on, Sn = gated_attn_naive(q, k, v, logd, S0, bonus)
-    oc, Sc = gated_attn_chunked(q, k, v, logd, S0, True, chunk, bonus)
-    S, os_ = S0, []
-    Si = S0.clone()
-    for t in range(T):
-        o, S = gated_attn_step(q[:, :, t], k[:, :, t], v[:, :, t], logd[:, :, t], S, bonus)
-        oi, out = gated_attn_step(q[:, :, t], k[:, :, t], v[:, :, t], logd[:, :, t], Si, bonus, inplace=True)
-        assert out is Si  # updated where it lies
-        torch.testing.assert_close(oi, o, **TOL)
-        os_.append(o)
-    for o in (oc, torch.stack(os_, 2)):
-        torch.testing.assert_close(o, on, **TOL)
-    for s in (Sc, S, Si):
-        torch.testing.assert_close(s, Sn, **TOL)
-
-
-def test_gated_chunked_is_finite_under_extreme_gates():
-    """Cumulative log-decay far below float32's exp range (-88) inside one chunk and over 4 K tokens:
-    the pairwise-difference form never exponentiates a positive number, so no inf/NaN, and it
-    still matches the token loop. (Cumulative sums of -20 per token lose ~|sum| * 2^-24 absolute
-    precision: one reason the chunks are 16 tokens.)"""
-    g = torch.Generator().manual_seed(0)
-    B, H, T, K = 1, 2, 4096, 4
-    q, k, v = (torch.randn(B, H, T, K, generator=g) for _ in range(3))
-    logd = torch.full((B, H, T, K), -20.0)
-    logd[..., ::7, :] = -1e-3  # some slow steps between the fast ones
-    o, S = gated_attn_chunked(q, k, v, logd, None, True, chunk_size=16)  # the gla/rwkv presets' chunk
-    assert torch.isfinite(o).all() and torch.isfinite(S).all()
-    on, Sn = gated_attn_naive(q[:, :, -200:], k[:, :, -200:], v[:, :, -200:], logd[:, :, -200:])
-    # with decay e^-20 every few tokens, the last 200 tokens alone determine the end of the sequence
-    torch.testing.assert_close(o[:, :, -100:], on[:, :, -100:], **TOL)
-    torch.testing.assert_close(S, Sn, **TOL)
 
 
 def test_retention_recurrence_equals_paper_parallel_form():

@@ -19,6 +19,8 @@ def causal_conv(x: Tensor, tail: Tensor | None, weight: Tensor, bias: Tensor | N
     W = weight.shape[-1]
     if tail is None:
         tail = x.new_zeros(B, W - 1, C)
+    if T == 0:  # conv1d refuses an input shorter than its kernel
+        return x, tail
     xx = torch.cat([tail, x], dim=1)  # (B, W-1+T, C)
     y = F.conv1d(xx.transpose(1, 2), weight, bias, groups=C).transpose(1, 2)  # (B, T, C)
     return y, xx[:, -(W - 1):]

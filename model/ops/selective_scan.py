@@ -25,7 +25,8 @@ def selective_scan(x, delta, A, B, C, D, initial_state=None, output_final_state=
     for dA_t, dBx_t in zip(dA.unbind(1), dBx.unbind(1)):  # unbind: one backward op, not T slices
         h = dA_t * h + dBx_t  # (b, e, n)
         hs.append(h)
-    y = torch.einsum("blen,bln->ble", torch.stack(hs, 1), C) + D * x  # (b, l, e)
+    hs = torch.stack(hs, 1) if hs else dA  # (b, l, e, n); dA is that empty shape when l = 0
+    y = torch.einsum("blen,bln->ble", hs, C) + D * x  # (b, l, e)
     return y, (h if output_final_state else None)
 
 
