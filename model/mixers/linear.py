@@ -51,9 +51,9 @@ class LinearAttention(ConvQKV):
         return self.out.in_features // self.H
 
     def init_state(self, batch, device=None, dtype=torch.float32):
-        H, F_, V = self.H, self._feature_dim(), self.out.in_features // self.H
-        return {"S": torch.zeros(batch, H, F_, V, device=device, dtype=dtype),
-                "z": torch.zeros(batch, H, F_, device=device, dtype=dtype),
+        H, K, V = self.H, self._feature_dim(), self.out.in_features // self.H
+        return {"S": torch.zeros(batch, H, K, V, device=device, dtype=dtype),
+                "z": torch.zeros(batch, H, K, device=device, dtype=dtype),
                 **self._conv_state(batch, device, dtype)}
 
     def _qkv(self, qkv):  # (B, T, 3D) -> phi(q), phi(k) (B, H, T, K), v (B, H, T, V)

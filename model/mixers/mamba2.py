@@ -19,7 +19,6 @@ model/ops/naive.py's.
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
