@@ -5,7 +5,7 @@ Every mixer is an `nn.Module` with
   forward(x, state, pos) -> (y, state)    chunked/parallel form over x (B, T, D); prefill and training
   step(x, state, pos) -> (y, state)       one token, x (B, D); decode
   naive(x, state, pos) -> (y, state)      the token-loop reference the tests hold the others to
-                                          (its kernels from model/ops/naive.py)
+                                          (the recurrences from model/ops/naive.py)
 `state=None` in `forward` means "from zero and do not return a state" (training).
 `pos` (B,) int64 is each row's position before these tokens; only position-aware mixers read it.
 `owns_norms = True`: the mixer is the whole block, norms included (RWKV-4); the LM adds its output
