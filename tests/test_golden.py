@@ -1,14 +1,13 @@
 """The shipped default model, greedy from a fixed prompt, produces a stored literal."""
-from pathlib import Path
-
 import pytest
 
+from model import WEIGHTS
 from model.generate import Generation, prefill
 from model.lm import LM
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 
-CKPT = Path(__file__).resolve().parent.parent / "model" / "weights" / "linear"
+CKPT = WEIGHTS / "linear"
 PROMPT = "ROMEO:\nBut soft, what light"
 GOLDEN = "s, and all the world\nTo be a city of the world, and to be\nThe city of the King's son, and the King"
 GOLDEN_IDS = [82, 11, 290, 407, 267, 846, 198, 408, 305, 258, 278, 606, 293, 267, 846, 11, 290, 289, 305, 198, 345,
