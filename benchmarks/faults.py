@@ -1,7 +1,7 @@
 """Faults under load against a real server: C streaming sessions for D seconds with clients
 hanging up at random points, then SIGTERM (or SIGKILL) while every session is mid-stream, then
 a fresh server on the same disk store; every session is checked against what its client saw
-(see clients/chaos.py for the rules). Prints the figures and writes JSON; exits 1 on any failure.
+(see harness/chaos.py for the rules). Prints the figures and writes JSON; exits 1 on any failure.
 
     python benchmarks/faults.py --concurrency 256 --duration 30 --signal term
     python benchmarks/faults.py --concurrency 256 --duration 30 --signal kill
@@ -15,8 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from clients.chaos import failures, run
-from clients.local_server import LocalServer
+from harness.chaos import failures, run
+from harness.local_server import LocalServer
 
 
 def main():

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from clients.local_server import LocalServer  # noqa: E402
+from harness.local_server import LocalServer  # noqa: E402
 
 
 def main():

@@ -20,8 +20,9 @@ from pathlib import Path
 import httpx
 import torch
 
-from clients.local_server import LocalServer
-from model.bench import WEIGHTS
+from clients.stats import pct
+from harness.local_server import LocalServer
+from model import WEIGHTS
 from model.lm import LM
 from model.state import State
 
@@ -34,11 +35,6 @@ def long_blob(c: httpx.Client, model: LM, sid: str, n: int) -> bytes:
     state.position = torch.tensor([n])
     history = torch.randint(0, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
     return state.to_bytes(model.fingerprint, {"history": history, "history_start": torch.tensor([0])})
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def main():
@@ -78,7 +74,7 @@ def main():
     res = {"model": "linear", "store": "disk", "pushes": a.n, "history_tokens": {"short": a.short, "long": a.long},
            "restore_long_s": round(restore_s, 2), "repo": a.repo or "this checkout"}
     for k in sids:
-        res[k] = {"median_ms": round(statistics.median(ms[k]), 3), "p90_ms": round(percentile(ms[k], 0.9), 3), **files[k]}
+        res[k] = {"median_ms": round(statistics.median(ms[k]), 3), "p90_ms": round(pct(ms[k], 0.9), 3), **files[k]}
     res["ratio_median"] = round(res["long"]["median_ms"] / res["short"]["median_ms"], 3)
     res["ratio_p90"] = round(res["long"]["p90_ms"] / res["short"]["p90_ms"], 3)
     # a one-token push rewrites the record (metadata + state) and appends its token (4 bytes) to the history

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from clients.local_server import LocalServer
+from harness.local_server import LocalServer
 from clients.stats import pct
 from model.tokenizer import Tokenizer
 from server.settings import Settings

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from clients.local_server import LocalServer
+from harness.local_server import LocalServer
 
 
 async def create_all(url: str, n: int, conc: int) -> list[str]:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from model.bench import WEIGHTS, state_at, time_steps
+from model import WEIGHTS
+from model.bench import state_at, time_steps
 from model.generate import Generation, prefill
 from model.lm import LM
 from model.sampling import SamplingParams

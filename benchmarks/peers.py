@@ -37,7 +37,7 @@ import peers_hf  # noqa: E402
 import peers_http  # noqa: E402
 import peers_llama  # noqa: E402
 import peers_report  # noqa: E402
-from clients.local_server import LocalServer  # noqa: E402
+from harness.local_server import LocalServer  # noqa: E402
 from clients.stats import pct  # noqa: E402
 from model.bench import state_at, time_steps  # noqa: E402  (the decode path linstream's engine uses)
 from model.compiled import Stepper  # noqa: E402
@@ -139,7 +139,7 @@ def wait_compiled(url: str, within: float = 300.0) -> None:
 def over_http(a, gguf: Path, workdir: Path, levels: list[int], llama_error: str | None) -> dict:
     """Both servers up side by side, taking turns level by level, so that load from elsewhere on
     the machine does not fall on one system's whole series."""
-    extra = llama_bias(Tokenizer(peers_gguf.WEIGHTS / "tokenizer.json"), peers_gguf.EOS)
+    extra = llama_bias(Tokenizer(peers_gguf.MAMBA / "tokenizer.json"), peers_gguf.EOS)
     res = {"prompt": PROMPT, "max_tokens": a.tokens, "duration_s": a.duration, "levels": levels,
            "linstream": [], "llama_cpp": [],
            "llama_cpp_server": "llama-cpp-python's server runs one request at a time on its one model; "
@@ -224,7 +224,7 @@ def run(a, levels: list[int], workdir: Path) -> None:
 
     twin = peers_gguf.twin_model(seed=0)
     gguf = Path(a.gguf) if a.gguf else workdir / "mamba-peer-f32.gguf"
-    peers_gguf.write_gguf(twin, peers_gguf.WEIGHTS / "tokenizer.json", gguf)
+    peers_gguf.write_gguf(twin, peers_gguf.MAMBA / "tokenizer.json", gguf)
     print(f"peer model: {gguf} ({twin.num_params():,} parameters, {peers_gguf.TWIN_LAYERS} mixer-only Mamba layers)")
     llama_error, hf_error = peers_llama.why_unavailable(), peers_hf.why_unavailable()
     llm = hf = None
@@ -241,8 +241,8 @@ def run(a, levels: list[int], workdir: Path) -> None:
 
     print("in-process decode, batch 1, one thread ...", flush=True)
     load_at_start = os.getloadavg()[0]
-    inproc = in_process(LM.load(peers_gguf.WEIGHTS), twin, llm, hf, a.context, a.steps)
-    agree = agreement(twin, llm, hf, Tokenizer(peers_gguf.WEIGHTS / "tokenizer.json"))
+    inproc = in_process(LM.load(peers_gguf.MAMBA), twin, llm, hf, a.context, a.steps)
+    agree = agreement(twin, llm, hf, Tokenizer(peers_gguf.MAMBA / "tokenizer.json"))
     print("  agreement with linstream on the same network: " + json.dumps({k: v for k, v in agree.items()
                                                                             if isinstance(v, dict)}))
     del llm  # the server below loads its own copy

@@ -22,21 +22,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from model import WEIGHTS
 from model.config import ModelConfig
 from model.lm import LM
 
-WEIGHTS = Path(__file__).resolve().parent.parent / "model" / "weights" / "mamba"
+MAMBA = WEIGHTS / "mamba"  # the shipped model whose shape the twin copies
 TWIN_LAYERS = 6
 EOS = 2047  # llama.cpp needs an end-of-text token; linstream's vocabulary has none: its last token stands in
 
 
-def twin_config(weights: Path = WEIGHTS) -> ModelConfig:
+def twin_config(weights: Path = MAMBA) -> ModelConfig:
     """The shipped `mamba` config, mixer-only, with enough layers to match its parameter count."""
     cfg = ModelConfig.from_dict(json.loads((weights / "config.json").read_text()))
     return dataclasses.replace(cfg, n_layer=TWIN_LAYERS, mlp_ratio=0.0)
 
 
-def twin_model(seed: int = 0, weights: Path = WEIGHTS) -> LM:
+def twin_model(seed: int = 0, weights: Path = MAMBA) -> LM:
     torch.manual_seed(seed)
     return LM(twin_config(weights)).eval()
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from clients.local_server import free_port, wait_until_up
+from harness.local_server import free_port, wait_until_up
 
 
 def why_unavailable() -> str | None:

@@ -29,8 +29,8 @@ from pathlib import Path
 import httpx
 from openai import AsyncOpenAI, OpenAI
 
-from clients.local_server import LocalServer
-from model.bench import WEIGHTS
+from harness.local_server import LocalServer
+from model import WEIGHTS
 from model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

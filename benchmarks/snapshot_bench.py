@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import torch
 
-from clients.local_server import LocalServer
-from model.bench import WEIGHTS, state_at
+from harness.local_server import LocalServer
+from model import WEIGHTS
+from model.bench import state_at
 from model.lm import LM
 from model.state import State
 

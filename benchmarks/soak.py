@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from clients.loadtest import level
-from clients.local_server import LocalServer
+from harness.local_server import LocalServer
 from clients.stats import metric
 
 

@@ -71,7 +71,7 @@ def hf_mamba(m: int, n: int = 128) -> dict | None:
 
 
 def run(url, models, contexts, m, do_in_process, do_hf, threads, out, weights=None):
-    from model.bench import WEIGHTS
+    from model import WEIGHTS
     weights = Path(weights) if weights else WEIGHTS
     torch.set_num_threads(threads)
     c = Client(url, timeout=600)

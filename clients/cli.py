@@ -22,7 +22,7 @@ def _default(name: str) -> str:
 
 
 def _shipped() -> str:
-    from server.settings import WEIGHTS
+    from model import WEIGHTS
     return ", ".join(sorted(p.name for p in WEIGHTS.iterdir() if (p / "config.json").exists())) or "none"
 
 

@@ -1,1 +1,4 @@
 """linstream model core: recurrent LMs, their session state, tokenizer, sampling and generation."""
+from pathlib import Path
+
+WEIGHTS = Path(__file__).parent / "weights"  # the shipped checkpoints, one folder per model

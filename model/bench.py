@@ -17,14 +17,12 @@ from pathlib import Path
 
 import torch
 
+from . import WEIGHTS
 from .compiled import Stepper
 from .generate import decode, prefill
 from .hf import load_checkpoint
 from .lm import LM
 from .state import State
-
-WEIGHTS = Path(__file__).parent / "weights"
-
 
 def state_at(model: LM, position: int, seed: int = 0) -> State:
     """A real state at `position`: the chunked form run over random tokens."""

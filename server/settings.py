@@ -8,7 +8,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-WEIGHTS = Path(__file__).resolve().parent.parent / "model" / "weights"
+from model import WEIGHTS
+
 
 
 class Settings(BaseSettings):

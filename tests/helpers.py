@@ -7,13 +7,14 @@ from pathlib import Path
 
 import torch
 
-from clients.local_server import LocalServer
+from harness.local_server import LocalServer
+from model import WEIGHTS
 from model.config import PRESETS
 from model.lm import LM
 
 ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER = ROOT / "model" / "weights" / "tokenizer.json"
-TOKENIZER_CONFIG = ROOT / "model" / "weights" / "linear" / "tokenizer_config.json"  # HF AutoTokenizer's
+TOKENIZER = WEIGHTS / "tokenizer.json"
+TOKENIZER_CONFIG = WEIGHTS / "linear" / "tokenizer_config.json"  # HF AutoTokenizer's
 
 
 def make_checkpoint(dirpath: Path, preset: str, seed: int = 0) -> Path:

@@ -153,7 +153,7 @@ def test_cli_loadtest_tiny(server, tmp_path):
 
 
 def test_serve_says_what_it_serves_and_a_client_without_server_says_one_line(ckpts):
-    from clients.local_server import free_port
+    from harness.local_server import free_port
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "clients", "serve", "--port", str(port), "--store", "memory",
                              "--log-level", "warning", "-m", str(ckpts / "linear"), "-m", str(ckpts / "softmax")],

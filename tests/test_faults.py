@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from clients.local_server import free_port
+from harness.local_server import free_port
 
 from .helpers import ServerProcess, greedy_from_blob, make_checkpoint
 
@@ -197,7 +197,7 @@ def test_faults_under_load_lose_nothing_acknowledged(tmp_path, sig):
     (benchmarks/faults.py runs the same at 256 sessions with the shipped model)."""
     import asyncio
 
-    from clients.chaos import failures, run
+    from harness.chaos import failures, run
     ckpt = make_checkpoint(tmp_path, "tiny-linear")
     env = {"LINSTREAM_STORE": f"disk:{tmp_path / 'store'}", "LINSTREAM_GRACEFUL_SHUTDOWN_S": "1"}
     res = asyncio.run(run(lambda: ServerProcess([str(ckpt)], env), 16, 3.0, sig, p_hangup=0.4))

@@ -17,7 +17,7 @@ import safetensors.torch
 import torch
 import uvicorn
 
-from clients.local_server import free_port
+from harness.local_server import free_port
 from server.app import create_app
 from server.connections import protocol
 from server.errors import APIError
