@@ -192,6 +192,10 @@ def _fla_config(arch: str, hf: dict) -> ModelConfig:
         if k in opts and opts[k] not in allowed:
             raise CheckpointError(f"{arch} with {k} {opts[k]!r}: implemented are {list(allowed)}")
     kv = opts.get("num_kv_heads") or heads
+    if not (isinstance(heads, int) and isinstance(kv, int) and 0 < kv <= heads):
+        raise CheckpointError(f"{arch}: num_heads ({heads!r}) and num_kv_heads ({kv!r}) must be positive integers")
+    if opts["use_short_conv"] and not (isinstance(hf.get("conv_size", 4), int) and hf.get("conv_size", 4) >= 2):
+        raise CheckpointError(f"{arch}: conv_size {hf.get('conv_size')!r}; short convolutions need at least 2")
     for k in ("expand_k", "expand_v"):
         width = d * opts[k]
         if not float(width).is_integer() or int(width) % heads or heads % kv:
