@@ -1,5 +1,5 @@
 """flash-linear-attention (fla) layout checkpoints against fla's own model: tiny random
-GLAForCausalLM / DeltaNetForCausalLM checkpoints made with fla's classes, and fla's logits and
+GLAForCausalLM / DeltaNetForCausalLM / RWKV6ForCausalLM checkpoints made with fla's classes, and fla's logits and
 greedy tokens for them (tests/fixtures/fla/make_fixtures.py says how; fla itself is not needed
 here). linstream must reproduce the logits through the chunked form and token by token, and the
 greedy tokens; its three forms must agree on outputs and states."""
@@ -33,7 +33,7 @@ def fixture(request):
 
 
 def test_fixtures_are_present():
-    assert {"gla", "gla-options", "deltanet", "deltanet-options"} <= set(NAMES)
+    assert {"gla", "gla-options", "deltanet", "deltanet-options", "rwkv6", "rwkv6-options"} <= set(NAMES)
 
 
 @torch.no_grad()
@@ -127,6 +127,8 @@ def _with_config(tmp_path, name, **changes):
     ("gla", {"attn": {"layers": [1], "num_heads": 2}}, "attn"),
     ("deltanet", {"qk_norm": "none"}, "qk_norm"),
     ("deltanet", {"expand_k": 0.3}, "expand_k"),
+    ("rwkv6", {"hidden_act": "swish"}, "hidden_act"),
+    ("rwkv6", {"norm_bias": False}, "norm_bias"),
 ])
 def test_unsupported_fla_options_are_named(tmp_path, name, changes, says):
     with pytest.raises(CheckpointError, match=says):
