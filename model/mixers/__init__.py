@@ -32,4 +32,5 @@ def build_mixer(name: str, cfg) -> nn.Module:
     return REGISTRY[name](cfg)
 
 
-from . import fla_deltanet, fla_gla, fla_rwkv6, gla, linear, mamba, mamba2, performer, retnet, rwkv, rwkv4, softmax  # noqa: E402,F401  (registration side effect)
+# registration side effect
+from . import fla_deltanet, fla_gla, fla_rwkv6, gla, linear, mamba, mamba2, performer, retnet, rwkv, rwkv4, softmax  # noqa: E402,F401
