@@ -140,3 +140,38 @@ def test_a_mismatched_layout_is_refused(tmp_path):
     by name, not served with random convolutions."""
     with pytest.raises(CheckpointError, match="q_conv1d"):
         load_checkpoint(_with_config(tmp_path, "gla", use_short_conv=True))
+
+
+@pytest.mark.asyncio
+async def test_served_with_sessions_fork_and_restore():
+    """The three architectures served side by side: a session's greedy tokens are the model's
+    own, and a fork and a restored snapshot continue identically."""
+    import httpx
+
+    from server.app import create_app
+    from server.settings import Settings
+    names, prompt = ["gla", "deltanet", "rwkv6"], "ROMEO:\nBut soft"
+    app = create_app(Settings(models=[str(FIXTURES / n) for n in names], max_sessions=8))
+    gen = {"stream": False, "temperature": 0, "max_tokens": 12}
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == names
+            for name in names:
+                model, tok = load_checkpoint(FIXTURES / name)
+                with torch.no_grad():
+                    logits, state = model(torch.tensor([tok.encode(prompt)]), model.init_state(1))
+                    want = []
+                    for _ in range(12):
+                        want.append(int(logits.reshape(-1, model.cfg.vocab_size)[-1].argmax()))
+                        logits, state = model.step(torch.tensor(want[-1:]), state)
+                s = (await c.post("/v1/sessions", json={"prompt": prompt, "model": name})).json()
+                blob = (await c.get(f"/v1/sessions/{s['id']}/state")).content
+                fork = (await c.post(f"/v1/sessions/{s['id']}/fork")).json()
+                out = (await c.post(f"/v1/sessions/{s['id']}/generate", json=gen)).json()
+                assert out["tokens"] == want, name
+                r = await c.post("/v1/sessions/restore", content=blob,
+                                 headers={"content-type": "application/octet-stream"})
+                assert r.status_code == 201, r.text
+                for other in (r.json(), fork):
+                    again = (await c.post(f"/v1/sessions/{other['id']}/generate", json=gen)).json()
+                    assert again["tokens"] == out["tokens"], name
