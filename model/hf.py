@@ -6,8 +6,8 @@ imported model is an ordinary `LM`: sessions, snapshots, batching and stores nee
   MambaForCausalLM, FalconMambaForCausalLM     mixer "mamba", blocks without MLP
   Mamba2ForCausalLM                            mixer "mamba2", blocks without MLP
   RwkvForCausalLM (RWKV-4)                     mixer "rwkv4", the whole block (norms, time and channel mix)
-  GLAForCausalLM, DeltaNetForCausalLM (fla)    mixers "fla-gla", "fla-deltanet", the whole block (norms,
-                                               layer, SwiGLU MLP) under fla's own parameter names
+  GLAForCausalLM, DeltaNetForCausalLM,         mixers "fla-gla", "fla-deltanet", "fla-retnet", the whole
+  RetNetForCausalLM (fla)                      block (norms, layer, SwiGLU MLP) under fla's own names
   RWKV6ForCausalLM (fla)                       mixer "fla-rwkv6", the whole block (time and channel mix)
 `load_checkpoint` is the one entry point: it also loads linstream's own checkpoints.
 """
@@ -161,7 +161,7 @@ def _hf_config(hf: dict) -> ModelConfig:
         return _fla_config(arch, hf)
     raise CheckpointError(f"architecture {arch!r} is not supported; linstream serves MambaForCausalLM, "
                           "FalconMambaForCausalLM, Mamba2ForCausalLM, RwkvForCausalLM, GLAForCausalLM, "
-                          "DeltaNetForCausalLM and RWKV6ForCausalLM checkpoints")
+                          "DeltaNetForCausalLM, RetNetForCausalLM and RWKV6ForCausalLM checkpoints")
 
 
 # fla's layers: mixer name, the config.json options each computes with fla's defaults, the block's
@@ -175,6 +175,11 @@ _FLA = {
         "expand_k": 1.0, "expand_v": 1.0, "use_short_conv": True, "use_beta": True, "use_gate": False,
         "qk_activation": "silu", "qk_norm": "l2", "allow_neg_eigval": False},
         "swish", 1e-6, 4, 32),
+    # (fla's RetNet block does not hand use_short_conv to its layer: its layers never convolve)
+    "RetNetForCausalLM": ("fla-retnet", {
+        "expand_k": 1.0, "expand_v": 2.0, "num_kv_heads": None, "feature_map": None,
+        "use_output_gate": True, "elementwise_affine": True, "fuse_norm": True},
+        "swish", 1e-6, 2, 16),
     "RWKV6ForCausalLM": ("fla-rwkv6", {
         "expand_k": 0.5, "expand_v": 1.0, "proj_low_rank_dim": 32, "gate_low_rank_dim": 64},
         "sqrelu", 1e-5, 3.5, 16),
@@ -211,6 +216,8 @@ def _fla_config(arch: str, hf: dict) -> ModelConfig:
         if not float(width).is_integer() or int(width) % heads or heads % kv:
             raise CheckpointError(f"{arch}: hidden_size * {k} ({width}) must be a whole multiple of num_heads "
                                   f"({heads}), and num_heads of num_kv_heads ({kv})")
+    if arch == "RetNetForCausalLM" and (d * opts["expand_k"] / heads) % 2:
+        raise CheckpointError(f"{arch}: the key head dim ({d * opts['expand_k'] / heads}) must be even (rotary)")
     if arch == "RWKV6ForCausalLM":
         first = "fla-rwkv6-in" if hf.get("norm_first", True) else mixer
         layers, norm = (first,) + (mixer,) * (n - 1), "layer"
@@ -239,7 +246,7 @@ _KEYS = {
 }
 _KEYS["FalconMambaForCausalLM"] = _KEYS["Mamba2ForCausalLM"] = _KEYS["MambaForCausalLM"]
 # fla: the block keeps fla's names under the mixer (model/mixers/fla_common.py)
-_KEYS["GLAForCausalLM"] = _KEYS["DeltaNetForCausalLM"] = _KEYS["RWKV6ForCausalLM"] = [
+_KEYS["GLAForCausalLM"] = _KEYS["DeltaNetForCausalLM"] = _KEYS["RetNetForCausalLM"] = _KEYS["RWKV6ForCausalLM"] = [
     (r"model\.embeddings\.", "embed."), (r"model\.norm\.", "norm."), (r"lm_head\.", "head."),
     (r"model\.layers\.(\d+)\.", r"blocks.\1.mixer.")]
 

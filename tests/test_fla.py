@@ -1,5 +1,5 @@
 """flash-linear-attention (fla) layout checkpoints against fla's own model: tiny random
-GLAForCausalLM / DeltaNetForCausalLM / RWKV6ForCausalLM checkpoints made with fla's classes, and fla's logits and
+GLAForCausalLM / DeltaNetForCausalLM / RetNetForCausalLM / RWKV6ForCausalLM checkpoints made with fla's classes, and fla's logits and
 greedy tokens for them (tests/fixtures/fla/make_fixtures.py says how; fla itself is not needed
 here). linstream must reproduce the logits through the chunked form and token by token, and the
 greedy tokens; its three forms must agree on outputs and states."""
@@ -33,7 +33,8 @@ def fixture(request):
 
 
 def test_fixtures_are_present():
-    assert {"gla", "gla-options", "deltanet", "deltanet-options", "rwkv6", "rwkv6-options"} <= set(NAMES)
+    assert {"gla", "gla-options", "deltanet", "deltanet-options", "retnet", "retnet-options", "rwkv6",
+            "rwkv6-options"} <= set(NAMES)
 
 
 @torch.no_grad()
@@ -92,6 +93,21 @@ def test_snapshot_restores_exactly(fixture):
     a, _ = model(tokens[:, 20:], state)
     b, _ = model(tokens[:, 20:], restored)
     assert torch.equal(a, b)
+
+
+@torch.no_grad()
+def test_rows_at_different_positions_step_together(fixture):
+    """A batch whose rows sit at different positions (RetNet rotates by each row's own) steps as
+    each row alone."""
+    model, tokens, _, _ = fixture
+    _, a = model(tokens[:, :20], model.init_state(1))
+    _, b = model(tokens[:, 3:10], model.init_state(1))
+    pool = model.init_state(2)
+    pool.assign([0], a.clone())
+    pool.assign([1], b.clone())
+    both, _ = model.step(tokens[0, 20:22], pool)
+    alone = torch.cat([model.step(tokens[0, 20:21], a)[0], model.step(tokens[0, 21:22], b)[0]])
+    assert (both - alone).abs().max() < TOL
 
 
 @pytest.mark.parametrize("T,chunk", [(1, 32), (37, 8), (64, 32), (45, 16)])

@@ -93,7 +93,7 @@ class ShortConvs:
 
 
 class FlaBlock(nn.Module):
-    """The block; a subclass sets `self.attn`, whose forward/step/naive take (x, state) -> (y, state).
+    """The block; a subclass sets `self.attn`, whose forward/step/naive take (x, state, pos) -> (y, state).
     Returns what the block adds to the residual stream."""
     time_dims: dict[str, int] = {}
     owns_norms = True
@@ -107,17 +107,17 @@ class FlaBlock(nn.Module):
     def init_state(self, batch, device=None, dtype=torch.float32):
         return self.attn.init_state(batch, device, dtype)
 
-    def _run(self, x, state, form):
-        a, state = getattr(self.attn, form)(self.attn_norm(x), state)
+    def _run(self, x, state, form, pos):
+        a, state = getattr(self.attn, form)(self.attn_norm(x), state, pos)
         return a + self.mlp(self.mlp_norm(x + a)), state
 
     def forward(self, x, state=None, pos=None):
         st = state if state is not None else self.init_state(x.shape[0], x.device)
-        y, new = self._run(x, st, "forward")
+        y, new = self._run(x, st, "forward", pos)
         return y, (None if state is None else new)
 
     def step(self, x, state, pos=None):
-        return self._run(x, state, "step")
+        return self._run(x, state, "step", pos)
 
     def naive(self, x, state, pos=None):
-        return self._run(x, state, "naive")
+        return self._run(x, state, "naive", pos)

@@ -129,17 +129,17 @@ class DeltaNetAttention(nn.Module):
     def _new(self, S, tail):
         return {"S": S} if tail is None else {"S": S, "conv": tail}
 
-    def forward(self, x, state):
+    def forward(self, x, state, pos=None):
         (q, k, v, beta), tail = self._inputs(x, state, "forward")
         o, S = delta_rule_chunked(q, k, v, beta, state["S"], self.chunk_size)
         return self._out(o, x), self._new(S, tail)
 
-    def step(self, x, state):  # x (B, D)
+    def step(self, x, state, pos=None):  # x (B, D)
         (q, k, v, beta), tail = self._inputs(x[:, None], state, "step")
         o, S = delta_rule_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0], state["S"])
         return self._out(o[:, :, None], x[:, None])[:, 0], self._new(S, tail)
 
-    def naive(self, x, state):
+    def naive(self, x, state, pos=None):
         (q, k, v, beta), tail = self._inputs(x, state, "naive")
         o, S = delta_rule_naive(q, k, v, beta, state["S"])
         return self._out(o, x), self._new(S, tail)

@@ -29,6 +29,7 @@ FEATURE_MAPS = {"relu": F.relu, "sigmoid": torch.sigmoid, "swish": F.silu, "silu
 
 
 class GLAAttention(nn.Module):
+    data_gate = True  # the gate is computed from x (GLA); RetNet's decays are fixed per head
     def __init__(self, cfg):
         super().__init__()
         o, D = cfg.mixer_options, cfg.d_model
@@ -45,7 +46,8 @@ class GLAAttention(nn.Module):
         self.g_proj = nn.Linear(D, val, bias=False) if o.get("use_output_gate", True) else None
         self.convs = ShortConvs(self, {"q": key, "k": kg, "v": vg}, cfg.conv_kernel,
                                 {"q": True, "k": True, "v": True}) if o.get("use_short_conv") else None
-        self.gk_proj = nn.Sequential(nn.Linear(D, GATE_RANK, bias=False), nn.Linear(GATE_RANK, kg, bias=True))
+        if self.data_gate:
+            self.gk_proj = nn.Sequential(nn.Linear(D, GATE_RANK, bias=False), nn.Linear(GATE_RANK, kg, bias=True))
         self.o_proj = nn.Linear(val, D, bias=False)
         # fla names the output norm after whether it is fused with the gate
         norm = Norm(self.V, cfg.norm_eps, o.get("elementwise_affine", True))
@@ -63,8 +65,8 @@ class GLAAttention(nn.Module):
         t = t.view(B, T, -1, d).transpose(1, 2)
         return t if t.shape[1] == self.H else t.repeat_interleave(self.groups, 1)
 
-    def _inputs(self, x, state, form):
-        """x (B, T, D) -> q, k, v, g (B, H, T, K or V) in float32, and the new conv tail."""
+    def _inputs(self, x, state, form, pos):
+        """x (B, T, D), pos (B,) or None -> q, k, v, g (B, H, T, K or V) in float32, and the new conv tail."""
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         tail = None
         if self.convs is not None:
@@ -74,13 +76,20 @@ class GLAAttention(nn.Module):
             else:
                 qkv, tail = getattr(self.convs, form)(qkv, state["conv"])
         q, k, v = qkv.split(self.widths, -1)
+        q, k, v = self._heads(q, self.K), self._heads(k, self.K), self._heads(v, self.V)
+        if self.phi is not None:
+            q, k = self.phi(q), self.phi(k)
+        q, k = self._rotate(q.float(), k.float(), pos)
+        return (q * self.K ** -0.5, k, v.float(), self._gate(x)), tail
+
+    def _gate(self, x):  # x (B, T, D) -> log-decay g (B, H, T, K)
         g = F.logsigmoid(self.gk_proj(x).float()) / GATE_NORMALIZER
         if self.clamp_min is not None:
             g = g.clamp_min(self.clamp_min)
-        q, k, v, g = self._heads(q, self.K), self._heads(k, self.K), self._heads(v, self.V), self._heads(g, self.K)
-        if self.phi is not None:
-            q, k = self.phi(q), self.phi(k)
-        return (q.float() * self.K ** -0.5, k.float(), v.float(), g), tail
+        return self._heads(g, self.K)
+
+    def _rotate(self, q, k, pos):  # GLA has no positional rotation (RetNet does: fla_retnet.py)
+        return q, k
 
     def _out(self, o, x):  # o (B, H, T, V) float32 -> (B, T, D)
         B, H, T, V = o.shape
@@ -91,18 +100,18 @@ class GLAAttention(nn.Module):
     def _new(self, S, tail):
         return {"S": S} if tail is None else {"S": S, "conv": tail}
 
-    def forward(self, x, state):
-        (q, k, v, g), tail = self._inputs(x, state, "forward")
+    def forward(self, x, state, pos=None):
+        (q, k, v, g), tail = self._inputs(x, state, "forward", pos)
         o, S = gated_attn_chunked(q, k, v, g, state["S"], True, self.chunk_size)
         return self._out(o, x), self._new(S, tail)
 
-    def step(self, x, state):  # x (B, D)
-        (q, k, v, g), tail = self._inputs(x[:, None], state, "step")
+    def step(self, x, state, pos=None):  # x (B, D)
+        (q, k, v, g), tail = self._inputs(x[:, None], state, "step", pos)
         o, S = gated_attn_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], state["S"], inplace=True)
         return self._out(o[:, :, None], x[:, None])[:, 0], self._new(S, tail)
 
-    def naive(self, x, state):
-        (q, k, v, g), tail = self._inputs(x, state, "naive")
+    def naive(self, x, state, pos=None):
+        (q, k, v, g), tail = self._inputs(x, state, "naive", pos)
         o, S = gated_attn_naive(q, k, v, g, state["S"])
         return self._out(o, x), self._new(S, tail)
 
