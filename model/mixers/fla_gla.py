@@ -30,6 +30,7 @@ FEATURE_MAPS = {"relu": F.relu, "sigmoid": torch.sigmoid, "swish": F.silu, "silu
 
 class GLAAttention(nn.Module):
     data_gate = True  # the gate is computed from x (GLA); RetNet's decays are fixed per head
+
     def __init__(self, cfg):
         super().__init__()
         o, D = cfg.mixer_options, cfg.d_model
