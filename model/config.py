@@ -40,6 +40,9 @@ class ModelConfig:
     norm: str = field(default="rms", metadata=_LATER)  # the final norm: rms | layer (LayerNorm, RWKV-4)
     d_attn: int = field(default=0, metadata=_LATER)  # rwkv4: width of the time mix; 0 = d_model
     d_ffn: int = field(default=0, metadata=_LATER)  # rwkv4: width of the channel mix; 0 = 4 d_model
+    # fla-layout mixers (model/mixers/fla_*.py): the options of fla's config.json they compute,
+    # written by model/hf.py, e.g. {"expand_k": 0.5, "use_short_conv": false}
+    mixer_options: dict = field(default_factory=dict, metadata=_LATER)
 
     @property
     def layer_mixers(self) -> tuple[str, ...]:
@@ -48,7 +51,8 @@ class ModelConfig:
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         for f in dataclasses.fields(self):
-            if f.metadata.get("omit_default") and d[f.name] == f.default:
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            if f.metadata.get("omit_default") and d[f.name] == default:
                 del d[f.name]
         return json.dumps(d, sort_keys=True)
 

@@ -6,6 +6,9 @@ imported model is an ordinary `LM`: sessions, snapshots, batching and stores nee
   MambaForCausalLM, FalconMambaForCausalLM     mixer "mamba", blocks without MLP
   Mamba2ForCausalLM                            mixer "mamba2", blocks without MLP
   RwkvForCausalLM (RWKV-4)                     mixer "rwkv4", the whole block (norms, time and channel mix)
+  GLAForCausalLM, DeltaNetForCausalLM,         mixers "fla-gla", "fla-deltanet", "fla-retnet", the whole
+  RetNetForCausalLM (fla)                      block (norms, layer, SwiGLU MLP) under fla's own names
+  RWKV6ForCausalLM (fla)                       mixer "fla-rwkv6", the whole block (time and channel mix)
 `load_checkpoint` is the one entry point: it also loads linstream's own checkpoints.
 """
 from __future__ import annotations
@@ -20,6 +23,8 @@ from safetensors.torch import load_file
 
 from .config import ModelConfig
 from .lm import LM
+from .mixers.fla_common import mlp_width
+from .mixers.fla_rwkv6 import ffn_width
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -152,8 +157,78 @@ def _hf_config(hf: dict) -> ModelConfig:
             mlp_ratio=0, norm="layer", norm_eps=1e-5, d_attn=hf.get("attention_hidden_size") or d,
             d_ffn=hf.get("intermediate_size") or 4 * d, tie_embeddings=hf.get("tie_word_embeddings", False),
             chunk_size=16)  # the chunked form builds (b, L, L, d_attn) weights: short chunks
+    if arch in _FLA:
+        return _fla_config(arch, hf)
     raise CheckpointError(f"architecture {arch!r} is not supported; linstream serves MambaForCausalLM, "
-                          "FalconMambaForCausalLM, Mamba2ForCausalLM and RwkvForCausalLM checkpoints")
+                          "FalconMambaForCausalLM, Mamba2ForCausalLM, RwkvForCausalLM, GLAForCausalLM, "
+                          "DeltaNetForCausalLM, RetNetForCausalLM and RWKV6ForCausalLM checkpoints")
+
+
+# fla's layers: mixer name, the config.json options each computes with fla's defaults, the block's
+# activation, norm eps and MLP ratio defaults, chunk length
+_FLA = {
+    "GLAForCausalLM": ("fla-gla", {
+        "expand_k": 0.5, "expand_v": 1.0, "num_kv_heads": None, "feature_map": None, "use_short_conv": False,
+        "use_output_gate": True, "clamp_min": None, "elementwise_affine": True, "fuse_norm": True},
+        "swish", 1e-6, 4, 16),
+    "DeltaNetForCausalLM": ("fla-deltanet", {
+        "expand_k": 1.0, "expand_v": 1.0, "use_short_conv": True, "use_beta": True, "use_gate": False,
+        "qk_activation": "silu", "qk_norm": "l2", "allow_neg_eigval": False},
+        "swish", 1e-6, 4, 32),
+    # (fla's RetNet block does not hand use_short_conv to its layer: its layers never convolve)
+    "RetNetForCausalLM": ("fla-retnet", {
+        "expand_k": 1.0, "expand_v": 2.0, "num_kv_heads": None, "feature_map": None,
+        "use_output_gate": True, "elementwise_affine": True, "fuse_norm": True},
+        "swish", 1e-6, 2, 16),
+    "RWKV6ForCausalLM": ("fla-rwkv6", {
+        "expand_k": 0.5, "expand_v": 1.0, "proj_low_rank_dim": 32, "gate_low_rank_dim": 64},
+        "sqrelu", 1e-5, 3.5, 16),
+}
+_FLA_CHOICES = {"feature_map": (None, "relu", "sigmoid", "swish", "silu"),
+                "qk_activation": ("silu", "relu", "elu", "identity"), "qk_norm": ("l2", "sum")}
+
+
+def _fla_config(arch: str, hf: dict) -> ModelConfig:
+    """flash-linear-attention's checkpoints: every block is attn_norm + layer + its norm + MLP (GLA,
+    DeltaNet: model/mixers/fla_common.py; RWKV-6: fla_rwkv6.py); the options below are the layer's."""
+    mixer, defaults, act, eps, ratio, chunk = _FLA[arch]
+    d, heads, n = hf["hidden_size"], hf["num_heads"], hf["num_hidden_layers"]
+    opts = {k: hf.get(k, v) for k, v in defaults.items()}
+    if "elementwise_affine" in opts:  # fla keeps no weight for None either
+        opts["elementwise_affine"] = bool(opts["elementwise_affine"])
+    if hf.get("attn") or hf.get("attnres_block_size"):
+        raise CheckpointError(f"{arch} with softmax-attention layers (attn) or attention residuals "
+                              "(attnres_block_size) is not supported")
+    if hf.get("hidden_act", act) != act:
+        raise CheckpointError(f"{arch} with hidden_act {hf['hidden_act']!r}: only {act} is implemented")
+    if arch == "RWKV6ForCausalLM" and not hf.get("norm_bias", True):
+        raise CheckpointError(f"{arch} with norm_bias false: only LayerNorms with a bias are implemented")
+    for k, allowed in _FLA_CHOICES.items():
+        if k in opts and opts[k] not in allowed:
+            raise CheckpointError(f"{arch} with {k} {opts[k]!r}: implemented are {list(allowed)}")
+    kv = opts.get("num_kv_heads") or heads
+    if not (isinstance(heads, int) and isinstance(kv, int) and 0 < kv <= heads):
+        raise CheckpointError(f"{arch}: num_heads ({heads!r}) and num_kv_heads ({kv!r}) must be positive integers")
+    if opts.get("use_short_conv") and not (isinstance(hf.get("conv_size", 4), int) and hf.get("conv_size", 4) >= 2):
+        raise CheckpointError(f"{arch}: conv_size {hf.get('conv_size')!r}; short convolutions need at least 2")
+    for k in ("expand_k", "expand_v"):
+        width = d * opts[k]
+        if not float(width).is_integer() or int(width) % heads or heads % kv:
+            raise CheckpointError(f"{arch}: hidden_size * {k} ({width}) must be a whole multiple of num_heads "
+                                  f"({heads}), and num_heads of num_kv_heads ({kv})")
+    if arch == "RetNetForCausalLM" and (d * opts["expand_k"] / heads) % 2:
+        raise CheckpointError(f"{arch}: the key head dim ({d * opts['expand_k'] / heads}) must be even (rotary)")
+    if arch == "RWKV6ForCausalLM":
+        first = "fla-rwkv6-in" if hf.get("norm_first", True) else mixer
+        layers, norm = (first,) + (mixer,) * (n - 1), "layer"
+        ffn = ffn_width(d, hf.get("hidden_ratio", ratio), hf.get("intermediate_size"))
+    else:
+        layers, norm = (), "rms"
+        ffn = mlp_width(d, hf.get("hidden_ratio", ratio), hf.get("intermediate_size"))
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], d_model=d, n_layer=n, mixer=mixer, layers=layers, mlp_ratio=0,
+        n_head=heads, conv_kernel=hf.get("conv_size", 4), norm=norm, norm_eps=hf.get("norm_eps", eps),
+        tie_embeddings=hf.get("tie_word_embeddings", False), chunk_size=chunk, d_ffn=ffn, mixer_options=opts)
 
 
 # transformers' key -> linstream's, per architecture: (pattern, replacement), first match wins
@@ -170,6 +245,10 @@ _KEYS = {
         (r"rwkv\.blocks\.(\d+)\.", r"blocks.\1.mixer.")],
 }
 _KEYS["FalconMambaForCausalLM"] = _KEYS["Mamba2ForCausalLM"] = _KEYS["MambaForCausalLM"]
+# fla: the block keeps fla's names under the mixer (model/mixers/fla_common.py)
+_KEYS["GLAForCausalLM"] = _KEYS["DeltaNetForCausalLM"] = _KEYS["RetNetForCausalLM"] = _KEYS["RWKV6ForCausalLM"] = [
+    (r"model\.embeddings\.", "embed."), (r"model\.norm\.", "norm."), (r"lm_head\.", "head."),
+    (r"model\.layers\.(\d+)\.", r"blocks.\1.mixer.")]
 
 
 def _rename(key: str, hf: dict) -> str:

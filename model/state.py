@@ -11,6 +11,9 @@ Mamba-2, A = RWKV-4 attention width, C capacity of a KV cache (>= position):
   mamba      h (B, E, N), conv (B, W-1, E)                       constant size
   mamba2     S (B, H, P, N), conv (B, W-1, E + 2 * groups * N)   constant size
   rwkv4      att_shift, ffn_shift (B, D), num, den, max (B, A)   constant size
+  fla-gla, fla-deltanet, fla-retnet   S (B, H, Kh, Vh), conv (B, W-1, Cq + Ck + Cv) (only with short convolutions)
+             constant size; Kh, Vh the layer's head dims, Cq, Ck, Cv its q/k/v projection widths
+  fla-rwkv6  S (B, H, Kh, Vh), attn_shift, ffn_shift (B, D)     constant size
   softmax    k, v (B, H, C, K) KV cache, conv (B, W-1, 3D)       grows with position
 plus position (B,) int64 and next_logits (B, V): the model's prediction after the last consumed
 token, which the next generated token is sampled from. Snapshot = `to_bytes` (safetensors, never pickle); restore = `from_bytes`.

@@ -33,4 +33,6 @@ def build_mixer(name: str, cfg) -> nn.Module:
     return REGISTRY[name](cfg)
 
 
-from . import gla, linear, mamba, mamba2, performer, retnet, rwkv, rwkv4, softmax  # noqa: E402,F401  (registration side effect)
+# registration side effect
+from . import fla_deltanet, fla_gla, fla_retnet, fla_rwkv6  # noqa: E402,F401
+from . import gla, linear, mamba, mamba2, performer, retnet, rwkv, rwkv4, softmax  # noqa: E402,F401

@@ -171,3 +171,17 @@ def wkv_naive(k, v, w, u, initial_state=None):
         num, den, _ = sums(t, current=True)
         out[:, t] = num / den
     return out, sums(l, current=False)
+
+
+def delta_rule_naive(q, k, v, beta, initial_state):
+    """Reference token loop in float32, the rule as a rank-one update of S. q, k (B, H, T, K),
+    v (B, H, T, V), beta (B, H, T), initial_state (B, H, K, V). Returns o (B, H, T, V) and S."""
+    q, k, v, beta = q.float(), k.float(), v.float(), beta.float()
+    S = initial_state.float().clone()
+    eye = torch.eye(q.shape[-1], device=q.device)
+    out = []
+    for t in range(q.shape[2]):
+        kt, bt = k[:, :, t], beta[:, :, t, None, None]  # (B, H, K), (B, H, 1, 1)
+        S = (eye - bt * kt[..., :, None] * kt[..., None, :]) @ S + bt * kt[..., :, None] * v[:, :, t, None, :]
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], S))
+    return (torch.stack(out, 2) if out else v[:, :, :0]), S

@@ -1,0 +1,194 @@
+"""flash-linear-attention (fla) layout checkpoints against fla's own model: tiny random
+GLAForCausalLM / DeltaNetForCausalLM / RetNetForCausalLM / RWKV6ForCausalLM checkpoints made with fla's classes, and fla's logits and
+greedy tokens for them (tests/fixtures/fla/make_fixtures.py says how; fla itself is not needed
+here). linstream must reproduce the logits through the chunked form and token by token, and the
+greedy tokens; its three forms must agree on outputs and states."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model.hf import CheckpointError, load_checkpoint
+from model.ops.delta_rule import delta_rule_chunked, delta_rule_step
+from model.ops.naive import delta_rule_naive
+from model.state import State
+
+FIXTURES = Path(__file__).parent / "fixtures" / "fla"
+NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
+TOL = 1e-4  # float32
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def fixture(request):
+    """(linstream model, reference tokens (1, T), reference logits (1, T, V), prompt length)."""
+    path = FIXTURES / request.param
+    model, _ = load_checkpoint(path)
+    ref = load_file(str(path / "reference.safetensors"))
+    with open(path / "reference.safetensors", "rb") as f:  # the header's metadata names the prompt length
+        n = int.from_bytes(f.read(8), "little")
+        prompt = int(json.loads(f.read(n))["__metadata__"]["prompt_tokens"])
+    return model, ref["tokens"], ref["logits"], prompt
+
+
+def test_fixtures_are_present():
+    assert {"gla", "gla-options", "deltanet", "deltanet-options", "retnet", "retnet-options", "rwkv6",
+            "rwkv6-options"} <= set(NAMES)
+
+
+@torch.no_grad()
+def test_chunked_and_step_logits_match_fla(fixture):
+    model, tokens, want, _ = fixture
+    got, _ = model(tokens, model.init_state(1))
+    assert (got - want).abs().max() < TOL
+    state, steps = model.init_state(1), []
+    for t in tokens[0]:
+        logits, state = model.step(t[None], state)
+        steps.append(logits)
+    assert (torch.stack(steps, 1) - want).abs().max() < TOL
+
+
+@torch.no_grad()
+def test_greedy_tokens_match_fla(fixture):
+    model, tokens, _, prompt = fixture
+    want = tokens[0, prompt:].tolist()
+    logits, state = model(tokens[:, :prompt], model.init_state(1))
+    got, t = [], logits[0, -1].argmax()
+    for _ in range(len(want)):
+        got.append(int(t))
+        logits, state = model.step(t[None], state)
+        t = logits[0].argmax()
+    assert got == want and len(set(got)) > 8  # a varied sequence, not one token repeated
+
+
+@torch.no_grad()
+def test_naive_chunked_step_agree_from_a_carried_state(fixture):
+    """From the state a 20-token prefix leaves (conv tails and S both non-zero), the rest of two
+    rows through the chunked form, the token loop and the step: outputs and final states agree."""
+    model, tokens, _, _ = fixture
+    ids = torch.cat([tokens, tokens.flip(1)])  # (2, T)
+    _, start = model(ids[:, :20], model.init_state(2))
+    rest = ids[:, 20:]
+    a, sa = model(rest, start.clone())
+    b, sb = model(rest, start.clone(), form="naive")
+    sc, steps = start.clone(), []
+    for t in rest.unbind(1):
+        logits, sc = model.step(t, sc)
+        steps.append(logits)
+    assert (a - b).abs().max() < TOL and (a - torch.stack(steps, 1)).abs().max() < TOL
+    for la, lb, lc in zip(sa.layers, sb.layers, sc.layers):
+        assert set(la) == set(lb) == set(lc)
+        for n in la:
+            assert la[n].abs().max() > 0, n
+            assert (la[n] - lb[n]).abs().max() < TOL and (la[n] - lc[n]).abs().max() < TOL, n
+
+
+@torch.no_grad()
+def test_snapshot_restores_exactly(fixture):
+    model, tokens, _, _ = fixture
+    _, state = model(tokens[:, :20], model.init_state(1))
+    blob = state.to_bytes(model.fingerprint)
+    restored = State.from_bytes(blob, model.init_state(1), model.fingerprint)
+    a, _ = model(tokens[:, 20:], state)
+    b, _ = model(tokens[:, 20:], restored)
+    assert torch.equal(a, b)
+
+
+@torch.no_grad()
+def test_rows_at_different_positions_step_together(fixture):
+    """A batch whose rows sit at different positions (RetNet rotates by each row's own) steps as
+    each row alone."""
+    model, tokens, _, _ = fixture
+    _, a = model(tokens[:, :20], model.init_state(1))
+    _, b = model(tokens[:, 3:10], model.init_state(1))
+    pool = model.init_state(2)
+    pool.assign([0], a.clone())
+    pool.assign([1], b.clone())
+    both, _ = model.step(tokens[0, 20:22], pool)
+    alone = torch.cat([model.step(tokens[0, 20:21], a)[0], model.step(tokens[0, 21:22], b)[0]])
+    assert (both - alone).abs().max() < TOL
+
+
+@pytest.mark.parametrize("T,chunk", [(1, 32), (37, 8), (64, 32), (45, 16)])
+def test_delta_rule_forms_agree(T, chunk):
+    """The chunked (UT-transform) form and the step against the rank-one-update loop, from a
+    non-zero state, on outputs and final state."""
+    torch.manual_seed(T)
+    B, H, K, V = 2, 3, 8, 5
+    q, k = torch.randn(B, H, T, K), torch.nn.functional.normalize(torch.randn(B, H, T, K), dim=-1)
+    v, beta, S0 = torch.randn(B, H, T, V), 2 * torch.rand(B, H, T), torch.randn(B, H, K, V)
+    o_ref, s_ref = delta_rule_naive(q, k, v, beta, S0)
+    o, s = delta_rule_chunked(q, k, v, beta, S0, chunk)
+    assert (o - o_ref).abs().max() < 1e-4 and (s - s_ref).abs().max() < 1e-4
+    S, outs = S0.clone(), []
+    for t in range(T):
+        o_t, S = delta_rule_step(q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t], S)
+        outs.append(o_t)
+    assert (torch.stack(outs, 2) - o_ref).abs().max() < 1e-4 and (S - s_ref).abs().max() < 1e-4
+
+
+def _with_config(tmp_path, name, **changes):
+    out = tmp_path / name
+    shutil.copytree(FIXTURES / name, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(changes)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("name,changes,says", [
+    ("gla", {"hidden_act": "powlu"}, "hidden_act"),
+    ("gla", {"feature_map": "t2"}, "feature_map"),
+    ("gla", {"attn": {"layers": [1], "num_heads": 2}}, "attn"),
+    ("deltanet", {"qk_norm": "none"}, "qk_norm"),
+    ("deltanet", {"expand_k": 0.3}, "expand_k"),
+    ("rwkv6", {"hidden_act": "swish"}, "hidden_act"),
+    ("rwkv6", {"norm_bias": False}, "norm_bias"),
+])
+def test_unsupported_fla_options_are_named(tmp_path, name, changes, says):
+    with pytest.raises(CheckpointError, match=says):
+        load_checkpoint(_with_config(tmp_path, name, **changes))
+
+
+def test_a_mismatched_layout_is_refused(tmp_path):
+    """A config that does not describe the weights (short convolutions the file lacks) is refused
+    by name, not served with random convolutions."""
+    with pytest.raises(CheckpointError, match="q_conv1d"):
+        load_checkpoint(_with_config(tmp_path, "gla", use_short_conv=True))
+
+
+@pytest.mark.asyncio
+async def test_served_with_sessions_fork_and_restore():
+    """The three architectures served side by side: a session's greedy tokens are the model's
+    own, and a fork and a restored snapshot continue identically."""
+    import httpx
+
+    from server.app import create_app
+    from server.settings import Settings
+    names, prompt = ["gla", "deltanet", "rwkv6"], "ROMEO:\nBut soft"
+    app = create_app(Settings(models=[str(FIXTURES / n) for n in names], max_sessions=8))
+    gen = {"stream": False, "temperature": 0, "max_tokens": 12}
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == names
+            for name in names:
+                model, tok = load_checkpoint(FIXTURES / name)
+                with torch.no_grad():
+                    logits, state = model(torch.tensor([tok.encode(prompt)]), model.init_state(1))
+                    want = []
+                    for _ in range(12):
+                        want.append(int(logits.reshape(-1, model.cfg.vocab_size)[-1].argmax()))
+                        logits, state = model.step(torch.tensor(want[-1:]), state)
+                s = (await c.post("/v1/sessions", json={"prompt": prompt, "model": name})).json()
+                blob = (await c.get(f"/v1/sessions/{s['id']}/state")).content
+                fork = (await c.post(f"/v1/sessions/{s['id']}/fork")).json()
+                out = (await c.post(f"/v1/sessions/{s['id']}/generate", json=gen)).json()
+                assert out["tokens"] == want, name
+                r = await c.post("/v1/sessions/restore", content=blob,
+                                 headers={"content-type": "application/octet-stream"})
+                assert r.status_code == 201, r.text
+                for other in (r.json(), fork):
+                    again = (await c.post(f"/v1/sessions/{other['id']}/generate", json=gen)).json()
+                    assert again["tokens"] == out["tokens"], name
