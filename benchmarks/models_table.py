@@ -4,6 +4,10 @@ throughput, and a seeded sample. In-process, one torch thread, batch 1.
 
     python benchmarks/models_table.py --out benchmarks/results/models_table
     python benchmarks/models_table.py --models linear gla --contexts 128 4096   # a quick look
+    python benchmarks/models_table.py --models ./some-hf-mamba-dir --out /tmp/t  # any checkpoint dir
+
+A model is a shipped name or a checkpoint directory in either layout (an imported checkpoint has
+no training record: its tokens-trained and held-out columns are left blank).
 
 Writes OUT.md (the table) and OUT.json (every figure).
 """
@@ -21,21 +25,21 @@ import torch
 from model import WEIGHTS
 from model.bench import state_at, time_steps
 from model.generate import Generation, prefill
-from model.lm import LM
+from model.hf import load_checkpoint
 from model.sampling import SamplingParams
-from model.tokenizer import Tokenizer
 
 PROMPT = "ROMEO:\n"
 ALL = ["linear", "performer", "retnet", "gla", "rwkv", "mamba", "hybrid", "softmax"]
 
 
 def measure(name: str, contexts: list[int], steps: int, prefill_len: int) -> dict:
-    path = WEIGHTS / name
-    meta = json.loads((path / "training.json").read_text())
-    model, tok = LM.load(path), Tokenizer(path / "tokenizer.json")
-    row = {"model": name, "mixers": list(model.cfg.layer_mixers), "parameters": meta["parameters"],
-           "tokens_trained": meta["tokens_trained"], "bytes_trained": meta["bytes_trained"],
-           "held_out_bits_per_byte": meta["held_out_bits_per_byte"], "command": meta["command"], "contexts": {}}
+    path = Path(name) if Path(name).is_dir() else WEIGHTS / name
+    record = path / "training.json"  # linstream's own checkpoints; imported ones have none
+    meta = json.loads(record.read_text()) if record.is_file() else {}
+    model, tok = load_checkpoint(path)
+    row = {"model": path.name, "mixers": list(model.cfg.layer_mixers), "parameters": model.num_params(),
+           "tokens_trained": meta.get("tokens_trained"), "bytes_trained": meta.get("bytes_trained"),
+           "held_out_bits_per_byte": meta.get("held_out_bits_per_byte"), "command": meta.get("command"), "contexts": {}}
     for n in contexts:
         st = state_at(model, n)
         ms = 1000 * statistics.median(time_steps(model, st, steps))
@@ -63,7 +67,9 @@ def markdown(rows: list[dict], contexts: list[int], prefill_len: int) -> str:
     for r in rows:
         a, b = r["contexts"][lo], r["contexts"][hi]
         name = f"`{r['model']}`" + (f" ({'+'.join(r['mixers'])})" if len(set(r["mixers"])) > 1 else "")
-        out.append(f"| {name} | {r['parameters']:,} | {r['tokens_trained'] / 1e6:.2f} M | **{r['held_out_bits_per_byte']:.3f}** "
+        trained = "" if r["tokens_trained"] is None else f"{r['tokens_trained'] / 1e6:.2f} M"
+        held = "" if r["held_out_bits_per_byte"] is None else f"**{r['held_out_bits_per_byte']:.3f}**"
+        out.append(f"| {name} | {r['parameters']:,} | {trained} | {held} "
                    f"| {a['decode_ms']:.2f} / {b['decode_ms']:.2f} | {a['state_bytes']:,} / {b['state_bytes']:,} "
                    f"| {r['prefill_tokens_per_s']:,.0f} | {r['sample'].replace('|', '/')} |")
     return "\n".join(out)
@@ -83,7 +89,7 @@ def main():
     torch.set_grad_enabled(False)
     rows = [measure(m, a.contexts, a.steps, a.prefill) for m in a.models]
     if a.merge and Path(a.out + ".json").is_file():
-        old = [r for r in json.loads(Path(a.out + ".json").read_text())["rows"] if r["model"] not in a.models]
+        old = [r for r in json.loads(Path(a.out + ".json").read_text())["rows"] if r["model"] not in {Path(m).name for m in a.models}]
         for r in old:
             r["contexts"] = {int(k): v for k, v in r["contexts"].items()}
         rows = sorted(old + rows, key=lambda r: ALL.index(r["model"]) if r["model"] in ALL else len(ALL))
