@@ -1,4 +1,5 @@
-"""From an engine Job to what the client sees: SSE events or one JSON body.
+"""A generation's `Stream` handle (made by Runtime.generate), and from it what the client sees:
+SSE events or one JSON body.
 
 The handler is the only writer of a session's history: it appends a token once the event
 carrying it has been handed to the response, then tells the engine (Job.yielded). The engine may
