@@ -7,6 +7,7 @@ one concern (the routes parse HTTP; these hold the logic):
   snapshots.py    downloads, snapshots, restores, forks
   admission.py    who may start a generation now (queue bounds, per-key limits, draining)
   prefix_reuse.py the prefix cache in use by the OpenAI routes
+  prompts.py      a prompt's token ids, bounded by the settings and the vocabulary
   loops.py        the background tasks (expiry, lease renewal, flushing dirty sessions, heap trim)
   streaming.py    a generation's `Stream` handle and its SSE / JSON rendering
 
