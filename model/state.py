@@ -28,6 +28,7 @@ import hashlib
 import json
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -269,16 +270,53 @@ def load_session(blob: bytes, template: State, fingerprint: str, vocab_size: int
     return state, int(start[0]), tokens
 
 
-def check_history(position: int, start: int, tokens: Tensor, vocab_size: int) -> None:
-    """A history explains a state at `position`: its tokens (T,) int64 lie in the vocabulary and
-    cover exactly [start, position)."""
-    if tokens.dtype != torch.long or tokens.dim() != 1:
-        raise SnapshotHistoryMismatch(f"history must be (T,) int64, got {tokens.dtype} {list(tokens.shape)}")
+def check_history(position: int, start: int, tokens: Tensor | Sequence[int], vocab_size: int) -> None:
+    """A history explains a state at `position`: its tokens ((T,) int64, or a list of ids as the
+    server keeps them) lie in the vocabulary and cover exactly [start, position)."""
+    if isinstance(tokens, Tensor):
+        if tokens.dtype != torch.long or tokens.dim() != 1:
+            raise SnapshotHistoryMismatch(f"history must be (T,) int64, got {tokens.dtype} {list(tokens.shape)}")
+        outside = len(tokens) and not bool(((tokens >= 0) & (tokens < vocab_size)).all())
+    else:
+        outside = len(tokens) and not (min(tokens) >= 0 and max(tokens) < vocab_size)
     if start < 0 or start + len(tokens) != position:
         raise SnapshotHistoryMismatch(f"history covers positions [{start}, {start + len(tokens)}) "
                                       f"but the state is at position {position}")
-    if len(tokens) and not bool(((tokens >= 0) & (tokens < vocab_size)).all()):
+    if outside:
         raise SnapshotHistoryMismatch(f"history holds token ids outside [0, {vocab_size})")
+
+
+def session_to_bytes(state: State, fingerprint: str, start: int, tokens: Sequence[int]) -> bytes:
+    """A session blob (a snapshot, a download): the state with its history as the extras
+    `history` (T,) int64 and `history_start` (1,) int64, which `session_from_bytes` reads back."""
+    extra = {"history": torch.tensor(list(tokens), dtype=torch.long),
+             "history_start": torch.tensor([start], dtype=torch.long)}
+    return state.to_bytes(fingerprint, extra)
+
+
+def session_from_bytes(blob: bytes, template: State, fingerprint: str, vocab_size: int,
+                       max_abs: float | None = MAX_ABS) -> tuple[State, int, list[int]]:
+    """`load_session`, with the history as a list of ids (what the server keeps)."""
+    state, start, tokens = load_session(blob, template, fingerprint, vocab_size, max_abs)
+    return state, start, tokens.tolist()
+
+
+def record_blob(state: State, fingerprint: str, covers: int) -> tuple[str | None, bytes | None]:
+    """(None, the blob of a one-row state) for a state its history explains, the history ending
+    at position `covers`; else (why it must not be written, None): a tensor holding NaN or Inf
+    (it would read back as damaged), or a position the history does not reach."""
+    bad = state.nonfinite()
+    if bad:
+        return f"{bad} holds NaN or Inf", None
+    pos = int(state.position[0])
+    if pos != covers:
+        return f"its state is at position {pos}, its history covers {covers}", None
+    return None, state.to_bytes(fingerprint)
+
+
+def state_position(state: State) -> int:
+    """The position of a one-row state."""
+    return int(state.position[0])
 
 
 def blob_fingerprint(blob: bytes) -> str:

@@ -49,7 +49,7 @@ class Keys:
         return key_id(given.decode())
 
 
-def caller(request: Request) -> str:
+async def caller(request: Request) -> str:  # async: a sync dependency costs a worker-thread hop per request
     return request.app.state.runtime.keys.owner(request.headers.get("authorization"))
 
 

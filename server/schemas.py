@@ -14,7 +14,12 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from model.sampling import SamplingParams
+
+from . import errors  # a module, not its names: errors.py imports this one
+
 MAX_NEW_TOKENS = 1 << 20  # the static bound; the server's max_new_tokens setting is usually lower
+DEFAULT_MAX_TOKENS = SamplingParams.max_tokens  # new tokens when a request names none (sessions, chat)
 MAX_STOPS, MAX_STOP_CHARS = 8, 256  # stop strings per request, characters per stop string
 MAX_NAME_CHARS = 256  # model names, session and snapshot ids
 MAX_SEED = 2 ** 63  # exclusive: a torch generator's seed
@@ -66,13 +71,29 @@ class Push(Body):
 
 
 class Sampling(Body):
-    max_tokens: int = Field(64, ge=0, le=MAX_NEW_TOKENS, description="also at most the server's max_new_tokens")
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=0, le=MAX_NEW_TOKENS,
+                            description="also at most the server's max_new_tokens")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="1 = off; the most likely token is always kept")
     top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0 = off")
     seed: int | None = Field(None, ge=0, lt=MAX_SEED)
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = Field(
         None, description=f"at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
+
+    def asked_tokens(self) -> int:
+        """How many tokens the request asks for at most, its default filled in."""
+        return self.max_tokens
+
+    def new_tokens(self, limit: int) -> int:
+        """`asked_tokens`, refused (413) past the server's `limit` (max_new_tokens)."""
+        n = self.asked_tokens()
+        if n > limit:
+            raise errors.APIError(413, "max_tokens_too_large", f"max_tokens={n} exceeds {limit}")
+        return n
+
+    def to_params(self, limit: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(self.new_tokens(limit), self.temperature, self.top_k, self.top_p, self.seed, stop)
 
 
 class Generate(Sampling):

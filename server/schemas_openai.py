@@ -4,12 +4,16 @@ out of range is a 422 naming the field. Fields OpenAI defines that this server c
 400 naming them, rather than ignored into a silent 200."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
+from model.sampling import SamplingParams
+
 from .errors import APIError
-from .schemas import MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_STOP_CHARS, Body, Name, Prompt, Sampling, Tokens
+from .schemas import (DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, Body, Name, Prompt,
+                      Sampling, Tokens)
 
 MAX_N = 16  # choices per prompt (n, best_of)
 MAX_PROMPTS = 128  # prompts in one completions request
@@ -18,6 +22,8 @@ MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_MESSAGES = 1024  # per chat request; their text together is bounded by max_prompt_bytes
 MAX_PARTS = 256  # content parts per chat message
 MAX_TOOLS = 128  # listed only to be refused, but bounded all the same
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI's
+SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so choice i's seed differs from every other choice's
 
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
@@ -54,17 +60,30 @@ class OpenAISampling(Sampling):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def to_params(self, limit: int, vocab_size: int, choice: int = 0) -> SamplingParams:
+        """The sampler's parameters for choice `choice` of the request: with a seed, choice i draws
+        from its own seed derived from it, so n choices differ and the same request gives the same n."""
+        bad = [t for t in self.logit_bias or {} if t >= vocab_size]
+        if bad:
+            raise APIError(400, "invalid_token", f"logit_bias: token ids must lie in [0, {vocab_size}); got {bad[:5]}")
+        seed = None if self.seed is None else (self.seed + choice * SEED_STRIDE) % MAX_SEED
+        return replace(super().to_params(limit), seed=seed, logit_bias=dict(self.logit_bias or {}),
+                       presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+
 
 class Completion(OpenAISampling):
     prompt: Prompt | Prompts | Tokens | TokenPrompts = Field(
         "", description="text, token ids, or a list of either (one choice per prompt)")
-    max_tokens: int | None = Field(16, ge=0, le=MAX_NEW_TOKENS,
-                                   description="null = 16; also at most the server's max_new_tokens")
+    max_tokens: int | None = Field(COMPLETION_MAX_TOKENS, ge=0, le=MAX_NEW_TOKENS,
+                                   description=f"null = {COMPLETION_MAX_TOKENS}; also at most the server's max_new_tokens")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="generate this many per prompt, return the n "
                                 "with the highest summed logprob")
     suffix: str | None = Field(None, max_length=MAX_STOP_CHARS)
+
+    def asked_tokens(self) -> int:
+        return COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
 
 class Part(Body):
@@ -83,7 +102,7 @@ class Message(Body):
 class Chat(OpenAISampling):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS,
-                                   description="null = 64; also at most the server's max_new_tokens")
+                                   description=f"null = {DEFAULT_MAX_TOKENS}; also at most the server's max_new_tokens")
     max_completion_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS,
                                               description="takes precedence over max_tokens")
     logprobs: bool = False
@@ -91,6 +110,9 @@ class Chat(OpenAISampling):
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     functions: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Name | dict[str, Any] | None = None
+
+    def asked_tokens(self) -> int:
+        return next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None), DEFAULT_MAX_TOKENS)
 
 
 def unsupported(req: OpenAISampling) -> None:

@@ -16,7 +16,6 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import torch
 
 from .errors import APIError
 
@@ -99,8 +98,8 @@ def encode_tokens(tokens: list[int]) -> bytes:
     return np.asarray(tokens, dtype=TOKEN).tobytes()
 
 
-def decode_tokens(data: bytes) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(data, dtype=TOKEN).astype(np.int64))  # (T,) int64
+def decode_tokens(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype=TOKEN).tolist()
 
 
 def encode_record(meta: dict, blob: bytes) -> bytes:

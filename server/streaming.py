@@ -1,4 +1,5 @@
-"""From an engine Job to what the client sees: SSE events or one JSON body.
+"""A generation's `Stream` handle (made by Runtime.generate), and from it what the client sees:
+SSE events or one JSON body.
 
 The handler is the only writer of a session's history: it appends a token once the event
 carrying it has been handed to the response, then tells the engine (Job.yielded). The engine may
@@ -8,29 +9,73 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from sse_starlette.sse import EventSourceResponse
 
 from .engine import Engine, Job
 from .sessions import Session
+from .settings import Settings
 from .store import StoreUnavailable
 
 
-async def events(job: Job, eng: Engine, s: Session, rt) -> AsyncIterator[tuple[str, dict]]:
+class Stream:
+    """One generation, as the runtime hands it to a route: the engine's job, the engine, the
+    session it runs on, and `finish`, which persists and releases the session once the engine is
+    done (Runtime.finish_generation); `spawn` runs that past the request's own end."""
+
+    def __init__(self, job: Job, eng: Engine, session: Session, finish: Callable[[], Awaitable[None]],
+                 spawn: Callable[[Awaitable], asyncio.Task]):
+        self.job, self.eng, self.session = job, eng, session
+        self.start = session.position  # the position the generation starts from
+        self._finish, self._spawn = finish, spawn
+
+    def delivered(self, token: int) -> None:
+        """The event carrying `token` has been handed to the response: it is the session's now."""
+        self.session.tokens.append(token)
+        self.job.yielded += 1
+        self.eng.wake()
+
+    def cancel(self, reason: str) -> None:
+        """End the generation from the server's side (`reason`, e.g. "shutdown", is reported as
+        its finish_reason): its handler stops at the next token, which it does not hand over."""
+        if self.job.finish is None:
+            self.job.end_reason = reason
+            self.eng.wake()
+
+    def _stop(self) -> None:
+        """Tell the engine no more tokens are taken (it rolls back one it stepped ahead)."""
+        self.job.cancelled = True
+        self.eng.wake()
+
+    def close(self) -> asyncio.Task:
+        """Persist and release the session once the engine is done with the job; once."""
+        if self.job.closing is None:
+            self.job.closing = self._spawn(self._finish())
+        return self.job.closing
+
+    def let_go(self) -> None:
+        """Once no more of the job's tokens can reach the client: cancel what is left of it, and
+        have the session persisted and released (or, if temporary, deleted) once, after the engine
+        is done with it."""
+        if self.job.finish is None or self.job.yielded < self.job.emitted:
+            self._stop()
+        self.close()
+
+
+async def events(st: Stream) -> AsyncIterator[tuple[str, dict]]:
     """("token", {...}) per token, then ("done", {...}) once the session is persisted and
     released ("persisted": false if the store could not be reached: the session then stays in
     memory and is written when the store is back). An abandoned stream is cancelled and finished
     in the background. Only this handler cancels a job it is streaming (it alone knows which
-    tokens left), so a server-side end (job.end_reason) takes effect at its next token."""
-    start = s.position
+    tokens left), so a server-side end (Stream.cancel) takes effect at its next token."""
+    job, start = st.job, st.start
     try:
         while True:
             kind, ev = await job.events.get()
             if kind == "done":
-                job.closing = rt.spawn(rt.finish_generation(job, s))
                 try:
-                    await asyncio.shield(job.closing)  # a disconnect now must not cut the persist short
+                    await asyncio.shield(st.close())  # a disconnect now must not cut the persist short
                     persisted = True
                 except StoreUnavailable:  # kept in memory, written when the store is back
                     persisted = False
@@ -47,27 +92,13 @@ async def events(job: Job, eng: Engine, s: Session, rt) -> AsyncIterator[tuple[s
                 continue  # here: a token it could not take is not handed over
             if job.end_reason or job.cancelled:  # the server is ending this generation (shutdown):
                 if not job.cancelled:  # this token is not handed over; the engine rolls it back
-                    job.cancelled = True
-                    eng.wake()
+                    st._stop()
                 continue  # until the engine's done
             ev["position"] = start + job.yielded + 1
             yield "token", ev
-            s.tokens.append(ev["token"])  # reached only once the event was handed over
-            job.yielded += 1
-            eng.wake()
+            st.delivered(ev["token"])  # reached only once the event was handed over
     finally:
-        let_go(job, eng, s, rt)
-
-
-def let_go(job: Job, eng: Engine, s: Session, rt) -> None:
-    """Once no more of the job's tokens can reach the client: cancel what is left of it, and
-    have the session persisted and released (or, if temporary, deleted) once, after the engine
-    is done with it."""
-    if job.finish is None or job.yielded < job.emitted:
-        job.cancelled = True
-        eng.wake()
-    if job.closing is None:
-        job.closing = rt.spawn(rt.finish_generation(job, s))
+        st.let_go()
 
 
 class _Stream(EventSourceResponse):
@@ -85,23 +116,24 @@ class _Stream(EventSourceResponse):
             self.ended()
 
 
-def sse_response(gen, send_timeout: float, shutdown_grace: float, ended, ping: float = 15) -> EventSourceResponse:
-    """SSE with a keep-alive comment every `ping` seconds, so that a stream waiting (on a long
+def sse_response(gen, ended: Callable[[], None], cfg: Settings) -> EventSourceResponse:
+    """SSE with a keep-alive comment every `sse_ping_s` seconds, so that a stream waiting (on a long
     prefill, a queue) is not taken for dead by a proxy or a client's read timeout; a reader too
-    slow to take an event within `send_timeout` seconds loses the stream (its session keeps
+    slow to take an event within `stream_send_timeout` seconds loses the stream (its session keeps
     exactly what was delivered) instead of holding a decode slot.
     On SIGTERM the stream runs on (sse-starlette would otherwise cut it at once) until it ends
-    or the runtime ends it within `shutdown_grace` seconds (Runtime.begin_drain). `ended()` runs
-    once the response is over (let_go, to free the job and session)."""
-    return _Stream(gen, ended, ping=ping, send_timeout=send_timeout, shutdown_grace_period=shutdown_grace)
+    or the runtime ends it within `graceful_shutdown_s` seconds (Runtime.begin_drain). `ended()` runs
+    once the response is over (Stream.let_go, to free the job and session)."""
+    return _Stream(gen, ended, ping=cfg.sse_ping_s, send_timeout=cfg.stream_send_timeout,
+                   shutdown_grace_period=cfg.graceful_shutdown_s)
 
 
-async def sse(job: Job, eng: Engine, s: Session, rt):
+async def sse(st: Stream):
     """The session stream: `event: token` per token, then `event: done`, then the end sentinel
     `data: [DONE]` (no event name), after which the server closes the stream. Every event's `id:`
     is the session's position after it, so a client knows exactly what its session holds."""
-    async for kind, ev in events(job, eng, s, rt):
-        pos = ev["position"] if kind == "token" else s.position
+    async for kind, ev in events(st):
+        pos = ev["position"] if kind == "token" else st.session.position
         yield frame(kind, json.dumps(ev), pos)
     yield DONE_FRAME
 
@@ -121,9 +153,9 @@ def data_frame(data: str) -> bytes:
 DONE_FRAME = data_frame("[DONE]")
 
 
-async def collect(job: Job, eng: Engine, s: Session, rt) -> dict:
+async def collect(st: Stream) -> dict:
     toks, text, lps = [], [], []
-    async for kind, ev in events(job, eng, s, rt):
+    async for kind, ev in events(st):
         if kind == "token":
             toks.append(ev["token"])
             text.append(ev["text"])

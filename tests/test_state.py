@@ -160,3 +160,35 @@ def test_header_describes_the_state(model_and_blob):
     assert meta["fingerprint"] == m.fingerprint and meta["position"] == "3" and meta["version"] == "1"
     name = fixed(s, 0)
     assert json.loads(meta["shapes"])[f"layers.0.{name}"] == list(s.layers[0][name].shape)
+
+
+def test_session_blob_carries_its_history(tiny):
+    """session_to_bytes -> session_from_bytes gives back the state and the history as ids; a
+    history that does not explain the state, or holds foreign ids, is refused."""
+    from model.state import SnapshotHistoryMismatch, check_history, session_from_bytes, session_to_bytes
+    ids = list(range(1, 9))
+    s = prefill(tiny, ids, tiny.init_state(1))
+    V = tiny.cfg.vocab_size
+    state, start, tokens = session_from_bytes(session_to_bytes(s, tiny.fingerprint, 0, ids), tiny.init_state(1),
+                                              tiny.fingerprint, V)
+    assert (start, tokens) == (0, ids) and torch.equal(state.next_logits, s.next_logits)
+    with pytest.raises(SnapshotHistoryMismatch):
+        session_from_bytes(session_to_bytes(s, tiny.fingerprint, 0, ids[1:]), tiny.init_state(1), tiny.fingerprint, V)
+    for bad in ([V] + ids[1:], [-1] + ids[1:]):  # a list of ids is held to the tensor's rule
+        with pytest.raises(SnapshotHistoryMismatch, match="outside"):
+            check_history(8, 0, bad, V)
+        with pytest.raises(SnapshotHistoryMismatch, match="outside"):
+            check_history(8, 0, torch.tensor(bad), V)
+    check_history(8, 2, ids[2:], V)
+    check_history(3, 3, [], V)
+
+
+def test_record_blob_refuses_what_would_read_back_damaged(tiny):
+    from model.state import record_blob
+    s = prefill(tiny, [1, 2, 3], tiny.init_state(1))
+    why, blob = record_blob(s, tiny.fingerprint, 3)
+    assert why is None and State.from_bytes(blob, tiny.init_state(1), tiny.fingerprint).position.tolist() == [3]
+    assert record_blob(s, tiny.fingerprint, 4) == ("its state is at position 3, its history covers 4", None)
+    s = s.clone()  # prefill made inference tensors
+    s.next_logits[0, 0] = float("nan")
+    assert record_blob(s, tiny.fingerprint, 3) == ("next_logits holds NaN or Inf", None)

@@ -1,3 +1,5 @@
+"""The routes' dependencies. Async on purpose: FastAPI runs a sync dependency in a worker
+thread, a hop (and a GIL hand-off) per request for what is an attribute read."""
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -5,7 +7,7 @@ from fastapi import Depends, Request
 from ..runtime import Runtime
 
 
-def get_runtime(request: Request) -> Runtime:
+async def get_runtime(request: Request) -> Runtime:
     return request.app.state.runtime
 
 

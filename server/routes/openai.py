@@ -10,49 +10,38 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
-
-from model.sampling import SamplingParams
 
 from model.footprint import footprint
 
 from ..auth import Owner
-from ..engine import Engine, Job
+from ..engine import Engine
 from ..errors import APIError
-from ..schemas import MAX_SEED
 from ..schemas_openai import MAX_RUNS, Chat, Completion, OpenAISampling, chat_prompt, unsupported
 from ..sessions import Session
-from ..streaming import DONE_FRAME, collect, data_frame, events, let_go, sse_response
+from ..streaming import DONE_FRAME, Stream, collect, data_frame, events, sse_response
 from .deps import RT
-from .sessions import sampling_params
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so choice i's seed differs from every other choice's
 
 
 @dataclass
 class Run:
-    """One generation of a request: its session (temporary or named), engine and job."""
-    s: Session
-    eng: Engine
-    job: Job
+    """One generation of a request: its stream (on a temporary or a named session) and prompt."""
+    stream: Stream
     ids: list[int]
     echo: list | None  # (token, logprob, top) of the prompt, when echoed with logprobs
     temp: bool
 
+    @property
+    def session(self) -> Session:
+        return self.stream.session
 
-def _params(req: OpenAISampling, rt, eng: Engine, choice: int) -> SamplingParams:
-    """The sampler's parameters for choice `choice` of the request: with a seed, choice i draws
-    from its own seed derived from it, so n choices differ and the same request gives the same n."""
-    V = eng.model.cfg.vocab_size
-    bad = [t for t in req.logit_bias or {} if t >= V]
-    if bad:
-        raise APIError(400, "invalid_token", f"logit_bias: token ids must lie in [0, {V}); got {bad[:5]}")
-    seed = None if req.seed is None else (req.seed + choice * SEED_STRIDE) % MAX_SEED
-    return replace(sampling_params(req, rt), seed=seed, logit_bias=dict(req.logit_bias or {}),
-                   presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
+    @property
+    def tok(self):
+        return self.stream.eng.tok
 
 
 def _separator(tail: str) -> str:
@@ -69,7 +58,8 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
     before a temporary session is made; once made, it is deleted on any way out (a refusal, an
     error, a cancellation) until its generation owns it, and then when that ends
     (Runtime.finish_generation)."""
-    rt.check_max_tokens(req.max_tokens)  # refused before any work
+    limit = rt.settings.max_new_tokens
+    req.new_tokens(limit)  # refused before any work
     if req.session_id:
         s = await rt.find(req.session_id, owner)
         if req.model and req.model != s.model:
@@ -77,7 +67,7 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
         eng = rt.engines[s.model]
     else:
         s, eng = None, rt.engine(req.model)
-    params = _params(req, rt, eng, choice)
+    params = req.to_params(limit, eng.model.cfg.vocab_size, choice)
     ids = await (rt.prompt_tokens(eng, owner, text) if isinstance(text, str) else rt.tokens_of(eng, None, text))
     if not ids and (s is None or s.position == 0):
         raise APIError(400, "empty_prompt", "the prompt is empty: send text or token ids" if s is None else
@@ -88,7 +78,7 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
         # from the longest cached prefix; `follow`: what the next request puts after this completion
         s = await rt.start_from_prefix(eng, owner, ids, follow, echo_logprobs is None, text if isinstance(text, str) else None)
     try:
-        async with rt.use(s.id, owner, release=False):
+        async with rt.hold(s, release=False) as s:
             if transcript and not temp and s.tokens:  # a continued session: the transcript's separator
                 ids = eng.tok.encode(_separator(eng.tok.decode(s.tokens[-4:]))) + ids
             start = s.position
@@ -97,12 +87,12 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
             if pre is not None and echo_logprobs is not None:  # the very first token has no context
                 echo = [(t, None if start == 0 and i == 0 else lp, None if start == 0 and i == 0 else top)
                         for i, (t, (lp, top)) in enumerate(zip(ids, pre.results))]
-            job = rt.generate(s, params, logprobs)
+            st = rt.generate(s, params, logprobs)
     except BaseException:  # cancellation (the client left, shutdown) included
         if temp:  # shielded: a second cancellation must not cut the delete short
             await asyncio.shield(rt.spawn(rt.delete(s)))
         raise
-    return Run(s, eng, job, ids, echo, temp)
+    return Run(st, ids, echo, temp)
 
 
 def _runs(req: OpenAISampling, count: int) -> None:
@@ -150,7 +140,7 @@ def _streamed(rt, req: OpenAISampling, base: dict, first: Run, count: int, start
             run, sent = current[0], 0
             for c in render(k, run, "start", None, 0):
                 yield data_frame(json.dumps(c))
-            async for kind, ev in events(run.job, run.eng, run.s, rt):
+            async for kind, ev in events(run.stream):
                 if kind == "done" and "error" in ev:
                     yield data_frame(json.dumps({"error": ev["error"]}))
                     failed = True
@@ -167,8 +157,7 @@ def _streamed(rt, req: OpenAISampling, base: dict, first: Run, count: int, start
         if req.include_usage and not failed:
             yield data_frame(json.dumps({**base, "choices": [], "usage": _usage(prompt, completion)}))
         yield DONE_FRAME
-    return sse_response(gen(), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s,
-                        lambda: let_go(current[0].job, current[0].eng, current[0].s, rt), rt.settings.sse_ping_s)
+    return sse_response(gen(), lambda: current[0].stream.let_go(), rt.settings)
 
 
 def _logprobs_obj(tok, entries, offset: int = 0):
@@ -213,8 +202,6 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
     if req.stream and best > n:
         raise APIError(400, "invalid_request", "best_of: cannot stream when best_of > n")
     _runs(req, len(prompts) * best)
-    if req.max_tokens is None:
-        req.max_tokens = 16
     if len(prompts) > 1:  # every prompt checked (and tokenized, once) before any is served
         prompts = await _token_prompts(rt, rt.engine(req.model), prompts)
     want = req.logprobs
@@ -224,22 +211,22 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
         return _run(rt, req, owner, prompts[k // best], want if req.echo else None, lp, k % best)
 
     first = await start(0)
-    base = {"id": f"cmpl-{first.s.id[5:21]}", "object": "text_completion", "created": int(time.time()),
-            "model": first.s.model}
+    base = {"id": f"cmpl-{first.session.id[5:21]}", "object": "text_completion", "created": int(time.time()),
+            "model": first.session.model}
 
     if req.stream:
         echoed: dict[int, str] = {}  # run -> its prompt's text, decoded once
 
         def render(k, run, kind, ev, sent):
             if k not in echoed:
-                echoed[k] = run.eng.tok.decode(run.ids) if req.echo else ""
+                echoed[k] = run.tok.decode(run.ids) if req.echo else ""
             prefix = echoed[k]
             if kind == "start":
-                lps = _logprobs_obj(run.eng.tok, run.echo) if run.echo else None
+                lps = _logprobs_obj(run.tok, run.echo) if run.echo else None
                 return [{**base, "choices": [{"index": k, "text": prefix, "finish_reason": None, "logprobs": lps}]}] \
                     if prefix else []
             if kind == "token":
-                lps = _logprobs_obj(run.eng.tok, [(ev["token"], *ev["logprobs"])], len(prefix) + sent) \
+                lps = _logprobs_obj(run.tok, [(ev["token"], *ev["logprobs"])], len(prefix) + sent) \
                     if "logprobs" in ev and want is not None else None
                 return [{**base, "choices": [{"index": k, "text": ev["text"], "finish_reason": None, "logprobs": lps}]}]
             return [{**base, "choices": [{"index": k, "text": "", "finish_reason": _finish(ev), "logprobs": None}]}]
@@ -250,7 +237,7 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
         cands = []
         for j in range(best):
             run = first if pi == j == 0 else await _gone(request) or await start(pi * best + j)
-            done = await collect(run.job, run.eng, run.s, rt)
+            done = await collect(run.stream)
             _finish(done)
             cands.append((run, done))
             completion_tokens += done["usage"]["completion_tokens"]
@@ -258,15 +245,15 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
         if best > n:  # the n most likely, by the summed logprob of their tokens
             cands.sort(key=lambda c: -sum(x[0] for x in c[1].get("logprobs", [])))
         for j, (run, done) in enumerate(cands[:n]):
-            prefix = run.eng.tok.decode(run.ids) if req.echo else ""
+            prefix = run.tok.decode(run.ids) if req.echo else ""
             lps = None
             if want is not None:
-                lps = _logprobs_obj(run.eng.tok, (run.echo or []) +
+                lps = _logprobs_obj(run.tok, (run.echo or []) +
                                     [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))])
             choices.append({"index": pi * n + j, "text": prefix + done["text"], "finish_reason": _finish(done),
                             "logprobs": lps})
     return {**base, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens),
-            **({"session_id": first.s.id} if not first.temp else {})}
+            **({"session_id": first.session.id} if not first.temp else {})}
 
 
 def _chat_logprobs(tok, entries) -> dict:
@@ -281,7 +268,6 @@ def _chat_logprobs(tok, entries) -> dict:
 async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
     unsupported(req)
     _runs(req, req.n)
-    req.max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), 64)
     text = chat_prompt(req.messages)
     lp = (req.top_logprobs or 0) if req.logprobs else None
 
@@ -289,8 +275,8 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
         return _run(rt, req, owner, text, None, lp, k, transcript=True, follow="\n\n")
 
     first = await start(0)
-    base = {"id": f"chatcmpl-{first.s.id[5:21]}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": first.s.model}
+    base = {"id": f"chatcmpl-{first.session.id[5:21]}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": first.session.model}
 
     if req.stream:
         def render(k, run, kind, ev, sent):
@@ -298,7 +284,7 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
                 delta, finish, lps = {"role": "assistant", "content": ""}, None, None
             elif kind == "token":
                 delta, finish = {"content": ev["text"]}, None
-                lps = _chat_logprobs(run.eng.tok, [(ev["token"], *ev["logprobs"])]) if "logprobs" in ev else None
+                lps = _chat_logprobs(run.tok, [(ev["token"], *ev["logprobs"])]) if "logprobs" in ev else None
             else:
                 delta, finish, lps = {}, _finish(ev), None
             return [{**base, "choices": [{"index": k, "delta": delta, "finish_reason": finish, "logprobs": lps}]}]
@@ -307,15 +293,15 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
     choices, usage = [], _usage(0, 0)
     for k in range(req.n):
         run = first if k == 0 else await _gone(request) or await start(k)
-        done = await collect(run.job, run.eng, run.s, rt)
+        done = await collect(run.stream)
         lps = None
         if lp is not None:
-            lps = _chat_logprobs(run.eng.tok, [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))])
+            lps = _chat_logprobs(run.tok, [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))])
         choices.append({"index": k, "message": {"role": "assistant", "content": done["text"]},
                         "finish_reason": _finish(done), "logprobs": lps})
         usage = _usage(done["usage"]["prompt_tokens"], usage["completion_tokens"] + done["usage"]["completion_tokens"])
     return {**base, "object": "chat.completion", "choices": choices, "usage": usage,
-            **({"session_id": first.s.id} if not first.temp else {})}
+            **({"session_id": first.session.id} if not first.temp else {})}
 
 
 def model_card(rt, name: str, e: Engine) -> dict:

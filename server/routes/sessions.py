@@ -6,21 +6,13 @@ import json
 from fastapi import APIRouter, Request, Response
 from pydantic import ValidationError
 
-from model.sampling import SamplingParams
-
 from ..auth import Owner
 from ..errors import APIError, invalid
 from ..schemas import CreateSession, Generate, Push, Restore
-from ..streaming import collect, let_go, sse, sse_response
+from ..streaming import collect, sse, sse_response
 from .deps import RT
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
-
-
-def sampling_params(req, rt) -> SamplingParams:
-    rt.check_max_tokens(req.max_tokens)
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return SamplingParams(req.max_tokens, req.temperature, req.top_k, req.top_p, req.seed, stop)
 
 
 @router.post("", status_code=201)
@@ -79,21 +71,19 @@ async def history(sid: str, owner: Owner, rt: RT):
 async def push(sid: str, owner: Owner, req: Push, rt: RT):
     s = await rt.find(sid, owner)
     ids = await rt.tokens_of(rt.engines[s.model], req.text, req.tokens)
-    async with rt.use(sid, owner):
+    async with rt.hold(s) as s:
         ms, _ = await rt.push(s, ids)
     return {"position": s.position, "prefill_ms": round(ms, 3), "tokens": len(ids)}
 
 
 @router.post("/{sid}/generate", responses=SSE)
 async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
-    params = sampling_params(req, rt)
+    params = req.to_params(rt.settings.max_new_tokens)
     async with rt.use(sid, owner, release=False) as s:  # released once the final state is persisted
-        job = rt.generate(s, params, req.logprobs)
-    eng = rt.engines[s.model]
+        st = rt.generate(s, params, req.logprobs)
     if req.stream:
-        return sse_response(sse(job, eng, s, rt), rt.settings.stream_send_timeout, rt.settings.graceful_shutdown_s,
-                            lambda: let_go(job, eng, s, rt), rt.settings.sse_ping_s)
-    return await collect(job, eng, s, rt)
+        return sse_response(sse(st), st.let_go, rt.settings)
+    return await collect(st)
 
 
 @router.post("/{sid}/snapshot")

@@ -1,0 +1,34 @@
+"""Loading the served models: one engine (engine.py) per checkpoint, sized by the settings."""
+from __future__ import annotations
+
+import torch
+
+from model.hf import CheckpointError, load_checkpoint
+
+from .engine import Engine
+from .metrics import Metrics
+from .settings import Settings
+
+
+def load_engines(settings: Settings, metrics: Metrics) -> dict[str, Engine]:
+    """Served name -> engine, in the order of settings.models (the first is the default).
+    A checkpoint that cannot be served stops the server with a message naming it."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    engines: dict[str, Engine] = {}
+    for i, name in enumerate(settings.models):
+        path = settings.checkpoint(name)
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"no checkpoint for model {name!r} at {path}")
+        try:
+            model, tok = load_checkpoint(path, settings.device, settings.dtype)
+        except (CheckpointError, ValueError) as e:
+            raise SystemExit(f"cannot serve {path}: {e}") from None
+        served = settings.names[i] if i < len(settings.names) else path.name
+        if served in engines:
+            raise SystemExit(f"two models named {served!r}: give one another name with --name")
+        kv = any(b.mixer.time_dims for b in model.blocks)
+        slots = settings.max_kv_sessions if kv else settings.max_sessions
+        engines[served] = Engine(served, model, tok, slots, settings.prefill_chunk, settings.max_batch,
+                                 metrics, settings.lookahead, settings.compile, settings.prefill_share)
+    return engines

@@ -1,0 +1,33 @@
+"""A request's prompt as token ids, bounded by the server's settings and the model's vocabulary."""
+from __future__ import annotations
+
+import asyncio
+
+from .engine import Engine
+from .errors import APIError
+from .settings import Settings
+
+
+async def tokens_of(eng: Engine, text: str | None, tokens: list[int] | None, cfg: Settings) -> list[int]:
+    """The ids of a prompt: text (bounded in bytes before it is tokenized, and tokenized off the
+    event loop so that a big prompt stalls nobody) or ids, checked against the vocabulary."""
+    if text is not None and tokens is not None:
+        raise APIError(400, "invalid_request", "give either text/prompt or tokens, not both")
+    if text is not None:
+        cap = cfg.max_prompt_bytes
+        if len(text) > cap or len(text.encode()) > cap:  # chars <= bytes: the first test is free
+            raise APIError(413, "prompt_too_long", f"the prompt text exceeds max_prompt_bytes={cap} (UTF-8)")
+        ids = await asyncio.to_thread(eng.tok.encode, text)
+    else:
+        ids = list(tokens or [])
+    check_length(len(ids), cfg)
+    V = eng.model.cfg.vocab_size
+    bad = [t for t in ids if not 0 <= t < V]
+    if bad:
+        raise APIError(400, "invalid_token", f"token ids must lie in [0, {V}); got {bad[:5]}")
+    return ids
+
+
+def check_length(n: int, cfg: Settings) -> None:
+    if n > cfg.max_prompt_tokens:
+        raise APIError(413, "prompt_too_long", f"{n} tokens exceed max_prompt_tokens={cfg.max_prompt_tokens}")
