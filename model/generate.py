@@ -112,11 +112,12 @@ class Generation:
         text = TextStream(self.tok, self.params)
         counts: Counter[int] = Counter()  # what the penalties look at
         for _ in range(self.params.max_tokens):
-            t = sample(self.state.next_logits, [self.params], [g], [counts])
-            counts[int(t)] += 1
+            t = sample(self.state.next_logits, [self.params], [g], [counts])  # (1,)
             _, self.state = decode_one_token(self.model, t, self.state)
-            piece, finish = text.feed(int(t))
-            yield Event(int(t), piece, int(self.state.position[0]))
+            token = int(t)
+            counts[token] += 1
+            piece, finish = text.feed(token)
+            yield Event(token, piece, int(self.state.position[0]))
             if finish:
                 self.finish_reason = finish
                 return
