@@ -1,8 +1,12 @@
-"""Generation without HTTP: prefill, decode, and a single-session loop built from them.
+"""Generation without HTTP: the core the server's engine and in-process generation share.
 
-    prefill(model, tokens, state)  -> state (with next_logits)           chunked form
-    decode(model, tokens, state)   -> logits (B, V), state               one batched step
-The server's engine calls these two; `generate` is the in-process loop used by tests and benches.
+    prefill_chunk(model, tokens, state)   -> logits (1, T, V), state     one pass of the chunked form
+    prefill(model, tokens, state)         -> state (with next_logits)    the chunked form, in bounded pieces
+    decode_one_token(step, tokens, state) -> logits (B, V), state        one batched step
+    sample(logits, params, generators)    -> tokens (B,)                 model/sampling.py
+    TextStream(tok, params).feed(token)   -> (text, finish or None)      token ids to text, and when to stop
+`Generation` is the single-session loop built from them (tests, benches); server/engine.py runs
+the same functions over a batch of sessions, so both give the same tokens, text and finish.
 """
 from __future__ import annotations
 
@@ -13,27 +17,44 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .compiled import Stepper
 from .lm import LM
-from .sampling import SamplingParams, StopMatcher, sample  # noqa: F401
+from .sampling import SamplingParams, StopMatcher, sample
 from .state import State
 from .tokenizer import Tokenizer
 
 PREFILL_CHUNK = 1024  # bounded pieces: a softmax prefill's attention matrix stays (chunk x context)
 
 
+@torch.no_grad()
+def prefill_chunk(model: LM, tokens: list[int] | Tensor, state: State) -> tuple[Tensor, State]:
+    """One pass of the chunked form over `tokens` (batch 1): the logits after each token
+    (1, T, V) and a new state; `state` itself is left as it was."""
+    return model(torch.as_tensor(tokens, dtype=torch.long).view(1, -1), state)
+
+
 @torch.inference_mode()
 def prefill(model: LM, tokens: list[int] | Tensor, state: State, chunk: int = PREFILL_CHUNK) -> State:
     """Advance `state` (batch 1) over `tokens` with the chunked form, in bounded pieces."""
-    ids = torch.as_tensor(tokens, dtype=torch.long).view(1, -1)
-    for i in range(0, ids.shape[1], chunk):
-        _, state = model(ids[:, i:i + chunk], state)
+    ids = torch.as_tensor(tokens, dtype=torch.long).view(-1)
+    for i in range(0, len(ids), chunk):
+        _, state = prefill_chunk(model, ids[i:i + chunk], state)
     return state
 
 
-@torch.inference_mode()
-def decode(model: LM, tokens: Tensor, state: State) -> tuple[Tensor, State]:
-    """One token for each of B rows (tokens (B,)) in one batched step."""
-    return model.step(tokens, state)
+def decode_one_token(step: LM | Stepper, tokens: Tensor, state: State,
+                     rows: list[int] | None = None) -> tuple[Tensor, State]:
+    """One token for each of B rows (tokens (B,)) in one batched step -> (logits (B, V), state).
+    `step` is the model (its eager `LM.step`) or the engine's `Stepper` (the compiled step once
+    warm; `rows`, the pool slots stepped, keep a stream that began eagerly on the eager path).
+    The state is stepped where it lies: keep a copy (State.clone) to step from it twice."""
+    if isinstance(step, Stepper):
+        return step(tokens, state, rows)  # no_grad: the compiled graph's guards refuse inference mode
+    with torch.inference_mode():
+        return step.step(tokens, state)
+
+
+decode = decode_one_token  # the older name, still used by model/bench.py, benchmarks and tests
 
 
 @torch.inference_mode()
@@ -45,6 +66,31 @@ def first_step_nonfinite(model: LM, state: State) -> str | None:
     return "the next logits" if not bool(torch.isfinite(logits).all()) else new.nonfinite()
 
 
+class TextStream:
+    """The text of one generation, a token at a time, and where it ends:
+    feed(token) -> (text to send, finish), finish being "stop" (a stop string, or an eos token),
+    "length" (the `max_tokens`-th token) or None.
+
+    Text is held back while it may still be cut: the bytes of an unfinished UTF-8 character (the
+    incremental decoder) and text that could be the start of a stop string (the stop matcher);
+    a stop string itself is never sent. At the length limit no stop can follow any more, so what
+    is held back is sent with the last token."""
+
+    def __init__(self, tok: Tokenizer, params: SamplingParams):
+        self.decoder, self.stops = tok.decoder(), StopMatcher(params.stop)
+        self.eos, self.max_tokens = tok.eos_ids, params.max_tokens
+        self.fed = 0  # tokens so far
+
+    def feed(self, token: int) -> tuple[str, str | None]:
+        self.fed += 1
+        text, stopped = self.stops.feed(self.decoder.feed(token))
+        if stopped or token in self.eos:
+            return text, "stop"
+        if self.fed >= self.max_tokens:
+            return text + self.stops.feed(self.decoder.flush())[0] + self.stops.flush(), "length"
+        return text, None
+
+
 @dataclass
 class Event:
     token: int
@@ -53,8 +99,9 @@ class Event:
 
 
 class Generation:
-    """Single-session loop: sample from `state.next_logits`, step, repeat; one Event per token.
-    `self.state` is the state after the last yielded token."""
+    """Single-session loop: sample from `state.next_logits`, step, repeat; one Event per token,
+    its text from a TextStream. `self.state` is the state after the last yielded token (which
+    has been stepped, as the engine steps it); `self.finish_reason` is set once the loop ends."""
 
     def __init__(self, model: LM, tok: Tokenizer, state: State, params: SamplingParams):
         self.model, self.tok, self.state, self.params = model, tok, state, params
@@ -62,14 +109,15 @@ class Generation:
 
     def __iter__(self) -> Iterator[Event]:
         g = self.params.generator()
-        dec, stop = self.tok.decoder(), StopMatcher(self.params.stop)
+        text = TextStream(self.tok, self.params)
         counts: Counter[int] = Counter()  # what the penalties look at
         for _ in range(self.params.max_tokens):
-            t = sample(self.state.next_logits, [self.params], [g], [counts])
-            counts[int(t)] += 1
-            _, self.state = decode(self.model, t, self.state)
-            text, stopped = stop.feed(dec.feed(int(t)))
-            yield Event(int(t), text, int(self.state.position[0]))
-            if stopped:
-                self.finish_reason = "stop"
+            t = sample(self.state.next_logits, [self.params], [g], [counts])  # (1,)
+            _, self.state = decode_one_token(self.model, t, self.state)
+            token = int(t)
+            counts[token] += 1
+            piece, finish = text.feed(token)
+            yield Event(token, piece, int(self.state.position[0]))
+            if finish:
+                self.finish_reason = finish
                 return

@@ -1,8 +1,10 @@
 """The engine: one thread per model that owns every session state of that model.
 
 Data path of one token:
-  HTTP handler --submit(Job)--> engine thread: batch of ready jobs --> model.step (one call for
-  all of them) --> sampler --> Job.events (asyncio queue) --> SSE.
+  HTTP handler --submit(Job)--> engine thread: batch of ready jobs --> decode_one_token (one
+  call for all of them) --> sample --> TextStream --> Job.events (asyncio queue) --> SSE.
+The functions are model/generate.py's, the ones in-process `Generation` runs on one session,
+so a served stream and an in-process one give the same tokens, text and finish.
 
 What the engine thread hands to the event loop (tokens, done events, command results) is
 collected and delivered with one `call_soon_threadsafe` per event loop per step, not one per
@@ -47,8 +49,9 @@ from typing import Any, Callable
 import torch
 
 from model.compiled import Stepper
+from model.generate import TextStream, decode_one_token, prefill_chunk
 from model.lm import LM
-from model.sampling import SamplingParams, StopMatcher, sample
+from model.sampling import SamplingParams, sample
 from model.state import State
 from model.tokenizer import Tokenizer
 
@@ -133,7 +136,7 @@ class Engine:
         self.cmds: deque = deque()
         self.prefills: deque[Prefill] = deque()
         self.jobs: list[Job] = []
-        self.decoders: dict[int, tuple] = {}
+        self.texts: dict[int, TextStream] = {}  # id(job) -> its text so far
         self.cv = threading.Condition()
         self.outbox: dict[asyncio.AbstractEventLoop, list] = {}  # (fn, *args) per loop, until `_deliver`
         self.stopped = False
@@ -273,7 +276,7 @@ class Engine:
             if job.done == 0 and len(job.tokens) > len(chunk):  # several chunks: keep the row to roll back to
                 job.saved = self.pool.copy_rows([job.slot], with_growing=False)
             prev = st.next_logits.clone() if job.logprobs is not None else None
-            logits, new = self.model(torch.tensor([chunk], dtype=torch.long), st)
+            logits, new = prefill_chunk(self.model, chunk, st)
             bad = new.nonfinite()  # the chunked forms build a new state: the row is untouched until assigned
             if bad:
                 raise NonFiniteState(f"prefilling these tokens makes the session's state non-finite ({bad} holds "
@@ -348,7 +351,7 @@ class Engine:
                 self.pool.reserve(int(self.pool.position[rows].max()) + 1)
             st = self.pool.select(rows)
             t0 = time.perf_counter()
-            logits, new = self.stepper(torch.tensor([j.pending for j in step]), st, rows)
+            logits, new = decode_one_token(self.stepper, torch.tensor([j.pending for j in step]), st, rows)
             self.pool.assign(rows, new)
         except Exception as e:
             self.pool.assign(rows, saved)
@@ -431,13 +434,12 @@ class Engine:
 
     def _event(self, j: Job, t: int, logits: torch.Tensor) -> dict:
         """Account for the sampled token t and build its event."""
-        dec, stop = self.decoders.setdefault(id(j), (self.tok.decoder(), StopMatcher(j.params.stop)))
-        text, stopped = stop.feed(dec.feed(t))
-        if stopped or t in self.tok.eos_ids:
-            j.finish = "stop"
-        elif j.emitted + 1 >= j.params.max_tokens:
-            j.finish = "length"
-            text += stop.feed(dec.flush())[0] + stop.flush()
+        stream = self.texts.get(id(j))
+        if stream is None:
+            stream = self.texts[id(j)] = TextStream(self.tok, j.params)
+        text, finish = stream.feed(t)
+        if finish:
+            j.finish = finish
         ev = {"token": t, "text": text}
         if j.logprobs is not None:
             ev["logprobs"] = _logprob_entries(logits, [t], j.logprobs, self.tok)[0]
@@ -467,7 +469,7 @@ class Engine:
             return
         self.jobs.remove(j)
         j.saved = None
-        self.decoders.pop(id(j), None)
+        self.texts.pop(id(j), None)
         if j.finish is None:
             j.finish = "cancelled" if j.cancelled else "length"
         if j.on_finish:

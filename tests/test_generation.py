@@ -1,7 +1,7 @@
 """Prefill + step decode == one full forward; sampling; stop sequences; tokenizer round trip."""
 import torch
 
-from model.generate import Generation, decode, prefill
+from model.generate import Generation, decode_one_token, prefill
 from model.sampling import SamplingParams, StopMatcher, adjust_logits, logits_to_probs, sample
 
 
@@ -12,7 +12,7 @@ def test_prefill_then_steps_equals_full_forward(tiny):
     s = prefill(tiny, ids[0, :17], tiny.init_state(1), chunk=5)
     torch.testing.assert_close(s.next_logits, full[:, 16], atol=2e-5, rtol=1e-4)
     for t in range(17, 30):
-        logits, s = decode(tiny, ids[:, t], s)
+        logits, s = decode_one_token(tiny, ids[:, t], s)
         torch.testing.assert_close(logits, full[:, t], atol=2e-5, rtol=1e-4)
 
 
@@ -23,9 +23,9 @@ def test_batched_decode_equals_separate(tiny):
     pool = tiny.init_state(2)
     pool.assign([0], a)
     pool.assign([1], b)
-    both, _ = decode(tiny, torch.tensor([11, 12]), pool)
-    la, _ = decode(tiny, torch.tensor([11]), a)
-    lb, _ = decode(tiny, torch.tensor([12]), b)
+    both, _ = decode_one_token(tiny, torch.tensor([11, 12]), pool)
+    la, _ = decode_one_token(tiny, torch.tensor([11]), a)
+    lb, _ = decode_one_token(tiny, torch.tensor([12]), b)
     torch.testing.assert_close(both, torch.cat([la, lb]), atol=2e-5, rtol=1e-4)
 
 
