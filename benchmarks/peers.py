@@ -41,7 +41,7 @@ from harness.local_server import LocalServer  # noqa: E402
 from clients.stats import pct  # noqa: E402
 from model.bench import state_at, time_steps  # noqa: E402  (the decode path linstream's engine uses)
 from model.compiled import Stepper  # noqa: E402
-from model.generate import decode, prefill  # noqa: E402
+from model.generate import decode_one_token, prefill  # noqa: E402
 from model.lm import LM  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 
@@ -92,7 +92,7 @@ def agreement(twin: LM, llm, hf, tok: Tokenizer) -> dict:
     state = prefill(twin, prompt, twin.init_state(1))
     ours = [state.next_logits[0]]
     for t in follow:
-        logits, state = decode(twin, torch.tensor([t]), state)
+        logits, state = decode_one_token(twin, torch.tensor([t]), state)
         ours.append(logits[0])
     res = {"prompt_tokens": len(prompt), "single_steps": len(follow)}
     for name, trace in (("llama_cpp", llm and peers_llama.logits_trace(llm, prompt, follow)),

@@ -19,7 +19,7 @@ import torch
 
 from . import WEIGHTS
 from .compiled import Stepper
-from .generate import decode, prefill
+from .generate import decode_one_token, prefill
 from .hf import load_checkpoint
 from .lm import LM
 from .state import State
@@ -121,7 +121,7 @@ def bench_model(name: str, model: LM, positions: list[int], batches: list[int], 
     s = model.init_state(1)
     t0 = time.perf_counter()
     for t in ids:
-        _, s = decode(model, t.view(1), s)
+        _, s = decode_one_token(model, t.view(1), s)
     loop = time.perf_counter() - t0
     res["prefill"] = {"tokens": prefill_len, "chunked_tokens_per_s": prefill_len / chunked,
                       "token_by_token_tokens_per_s": prefill_len / loop, "speedup": loop / chunked}

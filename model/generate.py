@@ -54,9 +54,6 @@ def decode_one_token(step: LM | Stepper, tokens: Tensor, state: State,
         return step.step(tokens, state)
 
 
-decode = decode_one_token  # the older name, still used by model/bench.py, benchmarks and tests
-
-
 @torch.inference_mode()
 def first_step_nonfinite(model: LM, state: State) -> str | None:
     """What turns NaN or Inf when a copy of `state` (batch 1) takes one greedy step, else None.

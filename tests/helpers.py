@@ -36,13 +36,13 @@ class ServerProcess(LocalServer):
 
 def greedy_from_blob(ckpt: Path, blob: bytes, n: int) -> list[int]:
     """What a session whose state blob is `blob` must generate greedily, computed in-process."""
-    from model.generate import decode
+    from model.generate import decode_one_token
     from model.state import State
     model = LM.load(ckpt)
     state = State.from_bytes(blob, model.init_state(1), model.fingerprint)
     out = []
     for _ in range(n):
         t = state.next_logits.argmax(-1)
-        _, state = decode(model, t, state)
+        _, state = decode_one_token(model, t, state)
         out.append(int(t))
     return out

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from model.config import PRESETS
-from model.generate import decode, prefill
+from model.generate import decode_one_token, prefill
 from model.lm import LM
 from model.state import (
     SnapshotCorrupt,
@@ -27,7 +27,7 @@ def greedy(model, state, n):
     out = []
     for _ in range(n):
         t = state.next_logits.argmax(-1)
-        _, state = decode(model, t, state)
+        _, state = decode_one_token(model, t, state)
         out.append(int(t))
     return out, state
 
