@@ -8,7 +8,7 @@ is one compile instead of one per bucket. The weights are frozen into the graph 
 parameters stop asking for grads) and its matmuls run inductor's own C++ GEMM template over them,
 packed once at compile time (freezing + max-autotune, CPP backend only), not MKL: each row goes
 through the same micro-kernel with the same order of additions whatever the batch, so a row's
-logits and state are bit-identical from one row to hundreds (tests/test_compiled.py). MKL takes a
+logits and state are bit-identical from one row to hundreds (tests/model/test_compiled.py). MKL takes a
 GEMV path below 4 rows, with other low bits, and repacks the weights on every call. At one row the
 packed kernel streams the weights about as fast as that GEMV (a shipped model's step ~0.3-0.45 ms
 vs ~1 ms eager, one thread); at 64 rows it is ~1.4x slower than MKL's GEMM. A batch of one is

@@ -239,7 +239,7 @@ _KEYS = {
         (r"backbone\.layers\.(\d+)\.mixer\.", r"blocks.\1.mixer.")],
     # transformers divides RWKV's output/value weights by powers of two at inference (rescale_every)
     # and halves the hidden state to match: the same function but for LayerNorm's eps, so the
-    # saved weights are used as they are (tests/test_hf.py measures the difference)
+    # saved weights are used as they are (tests/model/test_hf.py measures the difference)
     "RwkvForCausalLM": [
         (r"rwkv\.embeddings\.", "embed."), (r"rwkv\.ln_out\.", "norm."), (r"head\.", "head."),
         (r"rwkv\.blocks\.(\d+)\.", r"blocks.\1.mixer.")],

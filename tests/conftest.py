@@ -9,7 +9,7 @@ from model.lm import LM
 # tests use an in-memory store unless they ask for another (the default is a directory in $HOME)
 os.environ.setdefault("LINSTREAM_STORE", "memory")
 # and eager decode steps: a compile in the background of every test server would cost each one
-# tens of seconds of CPU (tests/test_compiled.py and test_server.py test the compiled path)
+# tens of seconds of CPU (tests/model/test_compiled.py and test_server.py test the compiled path)
 os.environ.setdefault("LINSTREAM_COMPILE", "off")
 
 TINY = ["tiny-linear", "tiny-softmax", "tiny-mamba", "tiny-performer", "tiny-retnet", "tiny-gla", "tiny-rwkv",

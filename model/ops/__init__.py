@@ -16,6 +16,6 @@ The attention-style ops keep fla's shape: `op_chunked(q, k, v, g, initial_state=
 output_final_state=False, chunk_size) -> (o, final_state)` and `op_step(q, k, v, g, state) -> (o, state)`
 with B batch, T time, H heads, K key dim, V value dim; the SSM ops keep their papers' letters
 (b, l, e, h, p, n), written down in each file. The mixers in `model/mixers/` own the projections,
-gates and norms around them. tests/test_ops.py holds each form to its reference (outputs and final
-state); tests/test_mixers.py does the same for whole mixers.
+gates and norms around them. tests/model/test_ops.py holds each form to its reference (outputs and final
+state); tests/model/test_mixers.py does the same for whole mixers.
 """

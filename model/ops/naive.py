@@ -1,5 +1,5 @@
 """Naive references: every op's recurrence written straight from its paper, one token at a time, in
-float32. They share no code with the fast forms or their steps (tests/test_ops.py holds those to
+float32. They share no code with the fast forms or their steps (tests/model/test_ops.py holds those to
 these), and are written for reading, not speed.
 
 Dimension glossary (the letters each family's paper uses):

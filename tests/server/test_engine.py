@@ -11,7 +11,7 @@ from model.lm import LM
 from model.sampling import SamplingParams
 from server.engine import Engine, Job
 
-from .conftest import TINY
+from ..conftest import TINY
 
 
 PROMPT = [1, 2, 3, 4, 5]

@@ -9,7 +9,7 @@ import pytest_asyncio
 from server.app import create_app
 from server.settings import Settings
 
-from .helpers import make_checkpoint
+from ..helpers import make_checkpoint
 
 TOKENS = 65536
 

@@ -15,7 +15,7 @@ from safetensors.torch import save as st_save
 
 from model.state import _digest
 
-from .helpers import ServerProcess, make_checkpoint
+from ..helpers import ServerProcess, make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from server.errors import APIError
 from server.routes import openai
 from server.settings import Settings
 
-from .helpers import ServerProcess, make_checkpoint
+from ..helpers import ServerProcess, make_checkpoint
 
 A, B = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
 MAX_SESSIONS, HEADER_TIMEOUT = 4, 3

@@ -10,7 +10,7 @@ import pytest
 
 from clients.sdk import AsyncClient, Client, NotFound, SessionBusy, SnapshotRejected
 
-from .helpers import ROOT, ServerProcess, make_checkpoint
+from ..helpers import ROOT, ServerProcess, make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from model.ops.delta_rule import delta_rule_chunked, delta_rule_step
 from model.ops.naive import delta_rule_naive
 from model.state import State
 
-FIXTURES = Path(__file__).parent / "fixtures" / "fla"
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "fla"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
 TOL = 1e-4  # float32
 

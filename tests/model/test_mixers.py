@@ -1,5 +1,5 @@
 """Every mixer: naive token loop == chunked/parallel == one-token steps, outputs and final state.
-The kernels themselves (model/ops) are tested against their references in tests/test_ops.py."""
+The kernels themselves (model/ops) are tested against their references in tests/model/test_ops.py."""
 import pytest
 import torch
 
@@ -7,7 +7,7 @@ from model.mixers.performer import orthogonal_features
 from model.mixers.retnet import row_scale
 from model.ops.naive import decayed_attn_naive
 
-from .conftest import random_state
+from ..conftest import random_state
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 

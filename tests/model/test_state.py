@@ -20,7 +20,7 @@ from model.state import (
     _digest,
 )
 
-from .conftest import TINY
+from ..conftest import TINY
 
 
 def greedy(model, state, n):

@@ -14,7 +14,7 @@ from server.app import create_app
 from server.settings import Settings
 from server.store import DiskStore, MemoryStore, RedisStore, StoreError
 
-from .helpers import ServerProcess, greedy_from_blob, make_checkpoint
+from ..helpers import ServerProcess, greedy_from_blob, make_checkpoint
 
 REDIS = os.environ.get("LINSTREAM_TEST_REDIS")
 

@@ -15,7 +15,7 @@ PROBE = ("import json; from server.heap import Heap; h = Heap(); before = h.stat
 
 def probe(env=None):
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True,
-                         env={**os.environ, **(env or {})}, cwd=os.path.dirname(os.path.dirname(__file__)))
+                         env={**os.environ, **(env or {})}, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     return json.loads(out.stdout)
 
 
@@ -36,7 +36,7 @@ def test_preloaded_jemalloc_is_read_through_mallctl():
 def test_serve_allocator_jemalloc_runs_the_server_under_it(tmp_path):
     import httpx
 
-    from .helpers import ServerProcess, make_checkpoint
+    from ..helpers import ServerProcess, make_checkpoint
     srv = ServerProcess([str(make_checkpoint(tmp_path, "tiny-linear"))], {"LINSTREAM_STORE": "memory"},
                         "--allocator", "jemalloc")
     try:

@@ -90,7 +90,7 @@ def test_golden_served_over_a_socket_by_the_compiled_step():
 
     from httpx_sse import connect_sse
 
-    from .helpers import ServerProcess
+    from ..helpers import ServerProcess
     srv = ServerProcess([str(CKPT)], {"LINSTREAM_COMPILE": "on"})
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as c:
@@ -114,7 +114,7 @@ def test_shipped_checkpoint_quality_is_remeasured(shipped):
     shape scores ~4 bits/byte)."""
     meta = json.loads((CKPT / "training.json").read_text())
     model, tok = shipped
-    text = (Path(__file__).parent / "fixtures" / "heldout_excerpt.txt").read_bytes()
+    text = (Path(__file__).parent.parent / "fixtures" / "heldout_excerpt.txt").read_bytes()
     measured = bits_per_byte(model, torch.tensor(tok.encode(text.decode())), len(text))
     assert abs(measured - meta["held_out_bits_per_byte"]) < 0.1, (measured, meta["held_out_bits_per_byte"])
     assert model.num_params() == meta["parameters"]

@@ -8,8 +8,8 @@ import pytest_asyncio
 from server.app import create_app
 from server.settings import Settings
 
-from .conftest import TINY
-from .helpers import make_checkpoint
+from ..conftest import TINY
+from ..helpers import make_checkpoint
 
 MODELS = [p.removeprefix("tiny-") for p in TINY]
 

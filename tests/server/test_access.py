@@ -8,7 +8,7 @@ import pytest_asyncio
 from server.app import create_app
 from server.settings import Settings
 
-from .helpers import make_checkpoint
+from ..helpers import make_checkpoint
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 A, B = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}

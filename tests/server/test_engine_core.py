@@ -15,7 +15,7 @@ from model.tokenizer import Tokenizer
 from server.engine import Engine, Job
 
 from .test_engine import Tok
-from .test_golden import CKPT, GOLDEN, GOLDEN_IDS, PROMPT
+from ..model.test_golden import CKPT, GOLDEN, GOLDEN_IDS, PROMPT
 
 CHUNK = 64  # the engine's prefill chunk, and Generation's: one prefill pass either way
 

@@ -14,8 +14,8 @@ from server.prefix_cache import PrefixCache, as_resent
 from server.schemas_openai import Message, chat_prompt
 from server.settings import Settings
 
-from .conftest import TINY
-from .helpers import TOKENIZER, make_checkpoint
+from ..conftest import TINY
+from ..helpers import TOKENIZER, make_checkpoint
 
 MODELS = [p.removeprefix("tiny-") for p in TINY]
 A, B = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}

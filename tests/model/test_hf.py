@@ -11,7 +11,7 @@ import torch
 from model.hf import CheckpointError, load_checkpoint
 from model.state import State
 
-from .helpers import TOKENIZER
+from ..helpers import TOKENIZER
 
 if os.environ.get("CI"):
     import transformers
@@ -325,7 +325,7 @@ def test_cli_serves_a_bfloat16_checkpoint_under_its_given_name(hf_dirs):
     greedy generation, and a restored snapshot that continues exactly."""
     import httpx
 
-    from .helpers import ServerProcess
+    from ..helpers import ServerProcess
     first, _, _ = hf_dirs
     srv = ServerProcess([str(first)], None, "--name", "tiny", "--dtype", "bfloat16", "--device", "cpu")
     try:

@@ -16,7 +16,7 @@ from server.app import create_app
 from server.engine import Engine, Job
 from server.settings import Settings
 
-from .helpers import make_checkpoint
+from ..helpers import make_checkpoint
 from .test_engine import Tok, assert_state_of
 
 OTHERS = [([1, 2, 3, 4, 5], 11), ([9, 8, 7], None), ([5, 5, 6, 1, 2, 3, 9], 23), ([30, 31], 5)]  # (prompt, seed)

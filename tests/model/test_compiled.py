@@ -10,7 +10,7 @@ from model.config import PRESETS
 from model.lm import LM
 from model.state import State
 
-from .conftest import random_state
+from ..conftest import random_state
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None, reason="no C++ compiler for inductor")
 

@@ -22,7 +22,7 @@ from server.sessions import decode_record, encode_record
 from server.settings import Settings
 from server.store import GROWING_HEAD, DiskStore
 
-from .helpers import ServerProcess, greedy_from_blob, make_checkpoint
+from ..helpers import ServerProcess, greedy_from_blob, make_checkpoint
 
 A, B = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
 KEYS = {"LINSTREAM_API_KEYS": json.dumps(["key-a", "key-b"])}
