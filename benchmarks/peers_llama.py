@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.local_server import free_port, wait_until_up
+from harness.local_server import free_port, stop_process, wait_until_up
 
 
 def why_unavailable() -> str | None:
@@ -107,10 +107,6 @@ class LlamaServer:
                            + Path(log).read_text()[-400:].replace("\n", " | "))
 
     def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
         self.log.close()
 

@@ -23,6 +23,15 @@ def wait_until_up(proc: subprocess.Popen, url: str, within: float) -> bool:
     return False
 
 
+def stop_process(proc: subprocess.Popen, grace: float = 30) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `grace` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,8 +62,4 @@ class LocalServer:
                 "fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
     def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
