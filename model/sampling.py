@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -39,8 +40,9 @@ class SamplingParams:
         return g
 
 
-def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """logits (B, V); temperature, top_p (B,) float; top_k (B,) int (0 = all). -> probs (B, V)."""
+def reference_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """What a seeded token is drawn from (the readable form; tests hold logits_to_probs to it).
+    logits (B, V); temperature, top_p (B,) float; top_k (B,) int (0 = all). -> probs (B, V)."""
     V = logits.shape[-1]
     logits = logits.float() / temperature.clamp(min=1e-5)[:, None]
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
@@ -53,6 +55,73 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     drop[:, 0] = False  # the most likely token always stays, whatever p rounds to in float32
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+
+def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """reference_probs, bit for bit, in a fraction of the time at 64 rows: the sorted logits and
+    the order of the kept ones from numpy (see _ranked), the top-p cumsum over the ranks that need
+    it (see _mass_before). -> probs (B, V)"""
+    V = logits.shape[-1]
+    logits = logits.float() / temperature.clamp(min=1e-5)[:, None]
+    if logits.device.type != "cpu" or len(logits) < 4:  # a row or two: torch's sort is as quick
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+    else:
+        sorted_logits, order = _ranked(logits), None
+    rank = torch.arange(V, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, V)[:, None]
+    drop = rank >= k
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # top-p: keep the smallest prefix whose mass reaches p (the token crossing p is kept)
+    drop |= _mass_before(probs, k, top_p) >= top_p[:, None]
+    drop[:, 0] = False  # the most likely token always stays, whatever p rounds to in float32
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    if order is None:
+        kept = (~drop).sum(-1, keepdim=True)  # (B, 1): a prefix of the ranks; the rest have probability 0
+        order = _ranked(logits, int(kept.max()))
+        # which of several equal logits a cut keeps is torch.sort's choice
+        split = (kept < V) & (sorted_logits.gather(1, kept - 1) == sorted_logits.gather(1, kept.clamp(max=V - 1)))
+        if split.any():
+            rows = split.squeeze(-1).nonzero().squeeze(-1)
+            order = torch.cat([order, order.new_zeros(len(order), V - order.shape[1])], 1) if order.shape[1] < V else order
+            order[rows] = logits[rows].sort(dim=-1, descending=True)[1]
+        probs = probs[:, :order.shape[1]]
+    return torch.zeros_like(logits).scatter_(-1, order, probs)
+
+
+def _ranked(x: Tensor, head: int | None = None) -> Tensor:
+    """For (B, V) float32 on the CPU: with head None, the values of x.sort(dim=-1, descending=True);
+    else the tokens of its first `head` ranks (B, head), the order among equal values aside.
+    torch's sort takes 8-15 ms for 64 rows of 2,048 logits; numpy's (AVX-512) sort 0.2 ms, and
+    its argpartition and argsort of the head (up to 512) well under a millisecond."""
+    neg = np.negative(x.numpy())  # ascending order of -x is descending order of x
+    if head is None:
+        return torch.from_numpy(np.negative(np.sort(neg, axis=-1)))
+    V = x.shape[-1]
+    if head > 512 or head >= V:
+        return torch.from_numpy(np.argsort(neg, axis=-1)[:, :head])
+    part = np.argpartition(neg, head - 1, axis=-1)[:, :head]  # the head's tokens, unordered
+    return torch.from_numpy(np.take_along_axis(part, np.take_along_axis(neg, part, -1).argsort(-1), -1))
+
+
+def _mass_before(probs: Tensor, k: Tensor, top_p: Tensor, head: int = 512) -> Tensor:
+    """probs.cumsum(-1) - probs (B, V), the mass ranked ahead of each token, where top-p needs it.
+    The cumsum (float64 inside) costs a millisecond at 64 rows of 2,048, tails of denormals
+    included, so it runs over the first `head` ranks only where that settles the row: where its
+    top-k ends there, or where the mass ahead of rank head - 1 already passes p by more than the
+    rounding (it only grows further down). Those columns equal the full cumsum's. Past the head
+    such rows read +inf (dropped either way)."""
+    B, V = probs.shape
+    if V <= head:
+        return probs.cumsum(-1) - probs
+    front = probs[:, :head]
+    ahead = front.cumsum(-1) - front  # (B, head)
+    settled = (k.squeeze(-1) <= head) | (ahead[:, -1] >= top_p + 1e-6)
+    out = torch.full_like(probs, float("inf"))
+    out[:, :head] = ahead
+    if not settled.all():
+        rows = (~settled).nonzero().squeeze(-1)
+        out[rows] = probs[rows].cumsum(-1) - probs[rows]
+    return out
 
 
 def adjust_logits(logits: Tensor, params: list[SamplingParams], counts: list[Mapping[int, int]]) -> Tensor:
@@ -78,8 +147,8 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
     at a uniform drawn from the row's generator. `counts`: per row, how often it generated each
     token (penalties). -> (B,) int64
 
-    The draw is `reference_draw`'s, token for token; `_fast_draw` finds it without sorting the
-    vocabulary for nearly every row and hands the rest to `reference_draw`."""
+    The draw is `reference_draw`'s, token for token, whatever the batch; `_fast_draw` finds it
+    without a sort for rows without filters."""
     if any(p.adjusts for p in params):
         logits = adjust_logits(logits, params, counts or [{}] * len(params))
     B, V = logits.shape
@@ -99,106 +168,54 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
 
 def reference_draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor) -> Tensor:
     """The draw that defines a seeded token: u (R,) in [0, 1) against the CDF, in vocabulary order,
-    of `logits_to_probs`. -> (R,) int64"""
+    of `logits_to_probs` (= reference_probs). -> (R,) int64"""
     cdf = logits_to_probs(logits, temperature, top_k, top_p).cumsum(-1)
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1).clamp(max=logits.shape[-1] - 1)
 
 
-# The fast draw works in float64 on the candidates it needs; it differs from reference_draw's float32
-# figures by rounding only, except in two places, each bounded, where a row that comes too near a
-# boundary is redone by reference_draw:
-PREFIX_EPS = 1e-5  # top-p compares a prefix's mass with p; the reference's float32 sum of 2,048
-                   # exponentials (16 lanes of 128 additions) is within 8e-6 of the exact one
+# Rows without filters (top_k = 0, top_p = 1: OpenAI's defaults) need no sort at all: their draw
+# from the whole vocabulary agrees with reference_draw's but for rounding and the tail of at most
+# PREFIX_EPS of the mass that its float32 top-p of 1 drops; a row whose uniform lands nearer than
+# that to a boundary between two tokens is drawn by reference_draw.
+PREFIX_EPS = 1e-5  # the reference's float32 sum of 2,048 exponentials (16 lanes of 128 additions)
+                   # is within 8e-6 of the exact one, and so is the mass it drops
 DRAW_EPS = 1e-6  # the draw's own rounding, both sides (a few float32 ulps), relative to the total
-# tokens taken per row (torch.topk) for rows with a top-k or top-p filter: first 64, then 512 for a
-# nucleus that runs past them (T = 0.8, top-p = 0.95 on the shipped `linear`: median 56 tokens,
-# p90 280, most 503; topk(512) costs a third of a sort)
-CANDIDATES = (64, 512)
 
 
 def _fast_draw(logits: Tensor, params: list[SamplingParams], u: Tensor) -> Tensor:
-    """reference_draw's tokens for rows `params` (none greedy). Rows without filters draw from the
-    whole vocabulary with no sort; rows whose top-k or top-p nucleus lies within the 64 or 512 most
-    likely tokens draw from those (torch.topk); a row whose draw or nucleus lies within the bounds
-    above of a boundary, whose cut falls between tied logits, or whose top-k or nucleus is larger
-    goes to reference_draw. Each row's token depends on its own logits and uniform only.
-    -> (R,) int64"""
+    """reference_draw's tokens for rows `params` (none greedy): rows without filters by
+    _draw_plain, the others, and any row _draw_plain leaves undecided, by reference_draw. Each
+    row's token depends on its own logits and uniform only. -> (R,) int64"""
     R, V = logits.shape
     dev = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=dev)
-    ks = [p.top_k if 0 < p.top_k < V else 0 for p in params]
-    top_k = torch.tensor(ks, device=dev)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else 0 for p in params], device=dev)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-    x = logits.float() / temperature.clamp(min=1e-5)[:, None]  # (R, V), as logits_to_probs scales them
+    plain = [i for i, p in enumerate(params) if not 0 < p.top_k < V and p.top_p >= 1]
     out = torch.empty(R, dtype=torch.long, device=dev)
-    ok = torch.zeros(R, dtype=torch.bool, device=dev)  # rows drawn here, the others by the reference
-    full = [i for i, (k, p) in enumerate(zip(ks, params)) if k == 0 and p.top_p >= 1]
-    if full:
-        idx = torch.tensor(full, device=dev)
-        out[idx], ok[idx] = _draw_all(x[idx] if len(full) < R else x, top_p[idx], u[idx])
-    pending = [i for i, (k, p) in enumerate(zip(ks, params)) if k <= CANDIDATES[-1] and not (k == 0 and p.top_p >= 1)]
-    for C in CANDIDATES:  # a nucleus that runs past C candidates tries the next C
-        group = [i for i in pending if ks[i] <= C]
-        if not group:
-            continue
-        idx = torch.tensor(group, device=dev)
-        out[idx], ok[idx], wider = _draw_candidates(x if group == list(range(R)) else x[idx], top_k[idx], top_p[idx], u[idx], C)
-        pending = [i for i in pending if ks[i] > C] + [i for i, w in zip(group, wider.tolist()) if w]
+    ok = torch.zeros(R, dtype=torch.bool, device=dev)  # rows drawn here; the others by the reference
+    if plain:
+        idx = torch.tensor(plain, device=dev)
+        x = (logits if len(plain) == R else logits[idx]).float() / temperature[idx].clamp(min=1e-5)[:, None]
+        out[idx], ok[idx] = _draw_plain(x, u[idx])
     redo = (~ok).nonzero().squeeze(-1)
     if len(redo):
         out[redo] = reference_draw(logits[redo], temperature[redo], top_k[redo], top_p[redo], u[redo])
     return out
 
 
-def _decided(cdf: Tensor, target: Tensor, margin: Tensor) -> tuple[Tensor, Tensor]:
-    """Invert cdf (N, M) at target (N,): the index, and whether target lies further than margin
-    from both ends of its interval (so a cdf off by less than margin draws the same index)."""
-    j = torch.searchsorted(cdf, target[:, None]).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
-    hi = cdf.gather(1, j[:, None]).squeeze(-1)
-    lo = torch.where(j > 0, cdf.gather(1, (j - 1).clamp(min=0)[:, None]).squeeze(-1), 0)
-    return j, (target - lo > margin) & (hi - target > margin)
-
-
-def _draw_all(x: Tensor, top_p: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
-    """Rows without filters: the whole vocabulary, unnormalised. The reference's float32 top-p of 1
-    drops a tail of at most PREFIX_EPS of the mass, which the margin covers."""
+def _draw_plain(x: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows without filters, x scaled by temperature (N, V): the CDF of the whole vocabulary,
+    unnormalised, in float64. -> tokens, decided (N,)"""
     e = (x - x.amax(-1, keepdim=True)).exp().double()  # (N, V)
     cdf = e.cumsum(-1)
     total = cdf[:, -1]
-    return _decided(cdf, u.double() * total, (PREFIX_EPS + DRAW_EPS) * total)
-
-
-def _draw_candidates(x: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor, C: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Rows with top_k <= C or top_p < 1: the filters applied to the C most likely tokens in rank
-    order, as logits_to_probs does, then the draw over the kept ones in vocabulary order.
-    -> tokens, decided, and whether the nucleus may run past the C candidates (N,) each"""
-    N, V = x.shape
-    C = min(V, C + 1)  # one past the last candidate, to see what a cut separates
-    vals, idx = x.topk(C, dim=-1)  # (N, C), descending
-    shifted = vals - vals[:, :1]
-    e = shifted.exp().double()  # (N, C)
-    rank = torch.arange(C, device=x.device)[None, :]
-    in_k = (rank < top_k[:, None]) | (top_k[:, None] == 0)
-    whole = (x - vals[:, :1]).exp().double().sum(-1)  # (N,): the mass of rows without top-k
-    mass = torch.where(top_k == 0, whole, (e * in_k).sum(-1))
-    q = e / mass[:, None]
-    before = q.cumsum(-1) - q  # (N, C): the mass ranked ahead of each candidate
-    p = top_p.double()[:, None]
-    sure = in_k & (before < p - PREFIX_EPS)
-    maybe = in_k & (before <= p + PREFIX_EPS)  # the reference keeps `sure` and some of the rest
-    sure[:, 0] = maybe[:, 0] = True
-    n = maybe.sum(-1, keepdim=True)  # (N, 1) candidates possibly kept, a prefix
-    # the nucleus ends inside the candidates, and not between equal logits (which of them the
-    # reference's sort keeps is its own affair)
-    inside = (n < C) | (C == V)
-    cut = inside & ((vals.gather(1, n - 1) != vals.gather(1, n.clamp(max=C - 1))) | (C == V))
-    w = torch.where(maybe, e, 0)
-    order = torch.where(maybe, idx, V).argsort(-1)  # the kept ones in vocabulary order
-    cdf = w.gather(1, order).cumsum(-1)
-    total = cdf[:, -1]
-    unsure = (w * ~sure).sum(-1)  # leaving out part of this moves the normalised cdf by at most unsure / (total - unsure)
-    j, decided = _decided(cdf, u.double() * total, unsure * total / (total - unsure) + DRAW_EPS * total)
-    return idx.gather(1, order.gather(1, j[:, None])).squeeze(-1), decided & cut.squeeze(-1), ~inside.squeeze(-1)
+    target = u.double() * total
+    j = torch.searchsorted(cdf, target[:, None]).squeeze(-1).clamp(max=x.shape[-1] - 1)
+    hi = cdf.gather(1, j[:, None]).squeeze(-1)
+    lo = torch.where(j > 0, cdf.gather(1, (j - 1).clamp(min=0)[:, None]).squeeze(-1), 0)
+    margin = (PREFIX_EPS + DRAW_EPS) * total
+    return j, (target - lo > margin) & (hi - target > margin)
 
 
 class StopMatcher:
