@@ -159,10 +159,14 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
         out = logits.argmax(-1)
         if not rows:
             return out
-    ps = [params[i] for i in rows]
-    u = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).to(logits.device)  # (R,), from the rows' own generators
+    ps, dev = [params[i] for i in rows], logits.device
+    temperature = torch.tensor([p.temperature for p in ps], device=dev)
+    top_k = torch.tensor([p.top_k for p in ps], device=dev)  # raises on a value beyond int64 ...
+    top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
+    # ... before any generator moves, so the engine can redo the others row by row unchanged
+    u = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).to(dev)  # (R,), from the rows' own generators
     picked = logits if len(rows) == B else logits[rows]
-    out[rows] = _fast_draw(picked, ps, u)
+    out[rows] = _fast_draw(picked, ps, temperature, top_k, top_p, u)
     return out
 
 
@@ -182,15 +186,14 @@ PREFIX_EPS = 1e-5  # the reference's float32 sum of 2,048 exponentials (16 lanes
 DRAW_EPS = 1e-6  # the draw's own rounding, both sides (a few float32 ulps), relative to the total
 
 
-def _fast_draw(logits: Tensor, params: list[SamplingParams], u: Tensor) -> Tensor:
-    """reference_draw's tokens for rows `params` (none greedy): rows without filters by
+def _fast_draw(logits: Tensor, params: list[SamplingParams], temperature: Tensor, top_k: Tensor, top_p: Tensor,
+               u: Tensor) -> Tensor:
+    """reference_draw's tokens for rows `params` (none greedy), their parameters as tensors (R,):
+    rows without filters by
     _draw_plain, the others, and any row _draw_plain leaves undecided, by reference_draw. Each
     row's token depends on its own logits and uniform only. -> (R,) int64"""
     R, V = logits.shape
     dev = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=dev)
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else 0 for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
     plain = [i for i, p in enumerate(params) if not 0 < p.top_k < V and p.top_p >= 1]
     out = torch.empty(R, dtype=torch.long, device=dev)
     ok = torch.zeros(R, dtype=torch.bool, device=dev)  # rows drawn here; the others by the reference
