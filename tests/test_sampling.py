@@ -49,8 +49,9 @@ def test_logits_to_probs_is_reference_probs_bit_for_bit():
 
 
 def test_a_cut_between_equal_logits_keeps_what_torch_sort_keeps():
-    logits = torch.zeros(8, V)
-    logits[:, :10] = 1.0  # ten tied leaders; top-k 4 keeps four of them
+    logits = torch.randn(8, V, generator=torch.Generator().manual_seed(4))
+    logits[:4] = 0.0
+    logits[:4, :10] = 1.0  # rows 0-3: ten tied leaders, of which top-k 4 keeps four
     args = (logits, torch.ones(8), torch.full((8,), 4), torch.ones(8))
     assert torch.equal(logits_to_probs(*args), reference_probs(*args))
     assert (logits_to_probs(*args) > 0).sum(-1).tolist() == [4] * 8
