@@ -111,7 +111,7 @@ def _mass_before(probs: Tensor, k: Tensor, top_p: Tensor, head: int = 512) -> Te
     rounding (it only grows further down). Those columns equal the full cumsum's. Past the head
     such rows read +inf (dropped either way)."""
     B, V = probs.shape
-    if V <= head:
+    if V <= head or B < 4:  # a row or two: the plain cumsum is quicker than the bookkeeping
         return probs.cumsum(-1) - probs
     front = probs[:, :head]
     ahead = front.cumsum(-1) - front  # (B, head)
@@ -153,9 +153,7 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
         logits = adjust_logits(logits, params, counts or [{}] * len(params))
     B, V = logits.shape
     rows = [i for i, p in enumerate(params) if p.temperature != 0]
-    if len(rows) == B:
-        out = torch.empty(B, dtype=torch.long, device=logits.device)
-    else:
+    if len(rows) < B:
         out = logits.argmax(-1)
         if not rows:
             return out
@@ -165,8 +163,9 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
     top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
     # ... before any generator moves, so the engine can redo the others row by row unchanged
     u = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).to(dev)  # (R,), from the rows' own generators
-    picked = logits if len(rows) == B else logits[rows]
-    out[rows] = _fast_draw(picked, ps, temperature, top_k, top_p, u)
+    if len(rows) == B:
+        return _fast_draw(logits, ps, temperature, top_k, top_p, u)
+    out[rows] = _fast_draw(logits[rows], ps, temperature, top_k, top_p, u)
     return out
 
 
@@ -195,6 +194,8 @@ def _fast_draw(logits: Tensor, params: list[SamplingParams], temperature: Tensor
     R, V = logits.shape
     dev = logits.device
     plain = [i for i, p in enumerate(params) if not 0 < p.top_k < V and p.top_p >= 1]
+    if not plain:
+        return reference_draw(logits, temperature, top_k, top_p, u)
     out = torch.empty(R, dtype=torch.long, device=dev)
     ok = torch.zeros(R, dtype=torch.bool, device=dev)  # rows drawn here; the others by the reference
     if plain:
