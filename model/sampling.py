@@ -4,6 +4,11 @@ seeded generators.
 Rows of one batch may carry different parameters (continuous batching mixes requests), so the
 filters are vectorised over rows; only the one uniform draw per row comes from that row's own
 `torch.Generator`, which is what makes a seeded request reproducible whatever it is batched with.
+
+`reference_probs` is the readable definition of what a token is drawn from; the sampler reaches
+the same tokens faster (issue 13: at 64 rows the full sort cost as much as the decode step):
+`logits_to_probs` gives the same probabilities bit for bit with numpy's sort, and rows without
+filters skip the sort altogether (`_draw_plain`). `benchmarks/sampling_bench.py` prints both.
 """
 from __future__ import annotations
 
@@ -177,20 +182,24 @@ def reference_draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
 
 
 # Rows without filters (top_k = 0, top_p = 1: OpenAI's defaults) need no sort at all: their draw
-# from the whole vocabulary agrees with reference_draw's but for rounding and the tail of at most
-# PREFIX_EPS of the mass that its float32 top-p of 1 drops; a row whose uniform lands nearer than
-# that to a boundary between two tokens is drawn by reference_draw.
-PREFIX_EPS = 1e-5  # the reference's float32 sum of 2,048 exponentials (16 lanes of 128 additions)
-                   # is within 8e-6 of the exact one, and so is the mass it drops
+# from the whole vocabulary agrees with reference_draw's but for rounding and the tail that its
+# float32 top-p of 1 drops (tokens past the point where the float32 cumsum reaches 1); a row whose
+# uniform lands nearer than those to a boundary between two tokens is drawn by reference_draw.
 DRAW_EPS = 1e-6  # the draw's own rounding, both sides (a few float32 ulps), relative to the total
+
+
+def _tail_bound(V: int) -> float:
+    """The mass reference_probs may drop from a row without filters, relative to the total: at most
+    the error of softmax's float32 sum of V terms, vectorised over 8 or 16 lanes (V / 8 additions
+    each, a unit roundoff 2^-24 per addition), plus the cumsum's rounding. 1.6e-5 for V = 2,048."""
+    return (V / 8 + 10) * 2.0 ** -24
 
 
 def _fast_draw(logits: Tensor, params: list[SamplingParams], temperature: Tensor, top_k: Tensor, top_p: Tensor,
                u: Tensor) -> Tensor:
     """reference_draw's tokens for rows `params` (none greedy), their parameters as tensors (R,):
-    rows without filters by
-    _draw_plain, the others, and any row _draw_plain leaves undecided, by reference_draw. Each
-    row's token depends on its own logits and uniform only. -> (R,) int64"""
+    rows without filters by _draw_plain, the others, and any row _draw_plain leaves undecided, by
+    reference_draw. Each row's token depends on its own logits and uniform only. -> (R,) int64"""
     R, V = logits.shape
     dev = logits.device
     plain = [i for i, p in enumerate(params) if not 0 < p.top_k < V and p.top_p >= 1]
@@ -198,10 +207,9 @@ def _fast_draw(logits: Tensor, params: list[SamplingParams], temperature: Tensor
         return reference_draw(logits, temperature, top_k, top_p, u)
     out = torch.empty(R, dtype=torch.long, device=dev)
     ok = torch.zeros(R, dtype=torch.bool, device=dev)  # rows drawn here; the others by the reference
-    if plain:
-        idx = torch.tensor(plain, device=dev)
-        x = (logits if len(plain) == R else logits[idx]).float() / temperature[idx].clamp(min=1e-5)[:, None]
-        out[idx], ok[idx] = _draw_plain(x, u[idx])
+    idx = torch.tensor(plain, device=dev)
+    x = (logits if len(plain) == R else logits[idx]).float() / temperature[idx].clamp(min=1e-5)[:, None]
+    out[idx], ok[idx] = _draw_plain(x, u[idx])
     redo = (~ok).nonzero().squeeze(-1)
     if len(redo):
         out[redo] = reference_draw(logits[redo], temperature[redo], top_k[redo], top_p[redo], u[redo])
@@ -218,7 +226,7 @@ def _draw_plain(x: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     j = torch.searchsorted(cdf, target[:, None]).squeeze(-1).clamp(max=x.shape[-1] - 1)
     hi = cdf.gather(1, j[:, None]).squeeze(-1)
     lo = torch.where(j > 0, cdf.gather(1, (j - 1).clamp(min=0)[:, None]).squeeze(-1), 0)
-    margin = (PREFIX_EPS + DRAW_EPS) * total
+    margin = (_tail_bound(x.shape[-1]) + DRAW_EPS) * total
     return j, (target - lo > margin) & (hi - target > margin)
 
 
