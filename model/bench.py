@@ -5,6 +5,8 @@ throughput, state bytes. Prints a table and writes JSON.
         --out benchmarks/results/model_bench.json
     python -m model.bench --step-only --threads 1 --models linear mamba   # eager vs compiled step,
         # bare matmuls at the same batch; merged into the results file above
+    python -m model.bench --step-only --threads 1 --models linear --step-batches 64 --profile \
+        --out /tmp/step.json   # and where the compiled step's time goes at 64 rows
 """
 from __future__ import annotations
 
@@ -130,6 +132,31 @@ def bench_model(name: str, model: LM, positions: list[int], batches: list[int], 
     return res
 
 
+def profile_step(model: LM, batch: int, steps: int = 20, top: int = 10) -> None:
+    """Where a compiled step's time goes at `batch` rows (issue 13, goal 2): inductor's kernels by
+    name (gemm_*: its GEMM template; cpp_fused_*: fused pointwise and reduction kernels) and the
+    rest (guards, wrappers), as shares of the profiled time. Compiles afresh: the kernels' own
+    profiling is a compile-time setting."""
+    torch._dynamo.reset()  # else the graph compiled for the timing above serves this one too
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+        st = Stepper(model, "on", background=False)
+    state, tok = batched(model, model.init_state(1), batch), torch.zeros(batch, dtype=torch.long)
+    for _ in range(3):
+        _, state = st(tok, state)
+    with torch.profiler.profile() as prof:
+        for _ in range(steps):
+            _, state = st(tok, state)
+    rows = [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(t for _, t in rows)
+    kinds = {"GEMM template": 0.0, "fused kernels": 0.0, "the rest": 0.0}
+    for k, t in rows:
+        kinds["GEMM template" if "gemm" in k else "fused kernels" if "cpp_fused" in k else "the rest"] += t
+    print(f"  profile, batch {batch}, {steps} steps, {total / steps / 1000:.3f} ms/step: "
+          + ", ".join(f"{k} {100 * t / total:.0f} %" for k, t in kinds.items()))
+    for k, t in sorted(rows, key=lambda r: -r[1])[:top]:
+        print(f"    {100 * t / total:5.1f} %  {k[:90]}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["linear", "softmax", "mamba"])
@@ -143,6 +170,8 @@ def main(argv=None):
     ap.add_argument("--step-batches", nargs="+", type=int, default=[1, 64])
     ap.add_argument("--step-only", action="store_true",
                     help="time only eager vs compiled steps and merge them into --out's existing results")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --step-only: also profile the compiled step at the largest --step-batches")
     ap.add_argument("--mem-limit-gib", type=float, default=6.0, help="skip batches whose states exceed this")
     ap.add_argument("--out", default="benchmarks/results/model_bench.json")
     a = ap.parse_args(argv)
@@ -177,8 +206,11 @@ def step_only(a) -> None:
         path = Path(name) if Path(name).is_dir() else WEIGHTS / name
         print(f"  {path.name}:", flush=True)
         r = by.get(path.name) or {"model": path.name}
-        r["step"] = bench_compiled(LM.load(path), a.step_batches, a.steps, a.compile)
+        model = LM.load(path)
+        r["step"] = bench_compiled(model, a.step_batches, a.steps, a.compile)
         r["step"]["threads"] = a.threads
+        if a.profile:
+            profile_step(model, max(a.step_batches))
         if path.name not in by:
             out["results"].append(r)
     for line in step_lines(out["results"]):

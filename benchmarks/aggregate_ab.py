@@ -1,0 +1,71 @@
+"""Aggregate tokens/s of two checkouts' servers, taking turns (issue 13): a change's effect on the
+many-client figure of benchmarks/request_path.py, with the machine's drift spread over both.
+Each round runs `--clients` clients (create -> generate 128 sampled tokens -> delete, over and
+over) against one server, then the other (the first alternates), once both serve the compiled
+step; prints each round and the medians.
+
+    git archive <before> | tar -x -C /tmp/before
+    python benchmarks/aggregate_ab.py --before /tmp/before --rounds 3 --clients 64
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.request_path import _warm, cycles  # noqa: E402
+from clients.local_server import LocalServer  # noqa: E402
+from clients.sdk import Client  # noqa: E402
+
+
+def compiled(url: str, model: str, timeout: float = 300) -> None:
+    """Wait until the server's decode step is compiled (it serves eagerly meanwhile)."""
+    t_end = time.time() + timeout
+    while time.time() < t_end:
+        models = httpx.get(f"{url}/v1/models").json()["data"]
+        if next(m for m in models if m["id"] == model).get("decode_step") in ("compiled", None):
+            return
+        time.sleep(1)
+    raise SystemExit(f"{url}: the decode step did not compile in {timeout} s")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", required=True, help="a checkout of the code before the change")
+    ap.add_argument("--after", default=None, help="default: this checkout")
+    ap.add_argument("--model", default="mamba")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=6.0, help="seconds per round and server")
+    ap.add_argument("--tokens", type=int, default=128)
+    a = ap.parse_args(argv)
+    servers = {}
+    try:
+        for name, repo in (("before", a.before), ("after", a.after)):
+            env = {"PYTHONPATH": repo} if repo else {}
+            servers[name] = LocalServer([a.model], env, "--store", "memory", cwd=repo)
+            with Client(servers[name].url, timeout=120) as c:
+                _warm(c, [a.model], 10)
+                compiled(servers[name].url, a.model)
+        tps = {name: [] for name in servers}
+        for r in range(a.rounds):
+            for name, srv in (list(servers.items()) if r % 2 == 0 else list(servers.items())[::-1]):  # turns swap
+                lv = asyncio.run(cycles(srv.url, a.model, a.clients, a.duration, a.tokens))
+                tps[name].append(lv["tokens_per_s"])
+                print(f"round {r + 1} {name:<6} {lv['tokens_per_s']:8.1f} tok/s  gap p50 {lv['gap_p50_ms']:.1f} ms"
+                      f"  p99 {lv['gap_p99_ms']:.1f} ms", flush=True)
+        b, f = statistics.median(tps["before"]), statistics.median(tps["after"])
+        print(f"median: before {b:.1f} tok/s, after {f:.1f} tok/s, after / before {f / b:.2f}")
+    finally:
+        for srv in servers.values():
+            srv.stop()
+
+
+if __name__ == "__main__":
+    main()
