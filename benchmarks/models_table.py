@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from model import WEIGHTS
-from model.bench import state_at, time_steps
+from model.timing import state_at, time_steps
 from model.generate import Generation, prefill
 from model.hf import load_checkpoint
 from model.sampling import SamplingParams

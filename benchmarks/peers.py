@@ -39,7 +39,7 @@ import peers_llama  # noqa: E402
 import peers_report  # noqa: E402
 from harness.local_server import LocalServer  # noqa: E402
 from clients.stats import pct  # noqa: E402
-from model.bench import state_at, time_steps  # noqa: E402  (the decode path linstream's engine uses)
+from model.timing import state_at, time_steps  # noqa: E402  (the decode path linstream's engine uses)
 from model.compiled import Stepper  # noqa: E402
 from model.generate import decode_one_token, prefill  # noqa: E402
 from model.lm import LM  # noqa: E402

@@ -34,7 +34,7 @@ from harness.local_server import LocalServer  # noqa: E402
 from clients.sdk import AsyncClient, Client, Done  # noqa: E402
 from clients.stats import pct  # noqa: E402
 from model import WEIGHTS
-from model.bench import state_at, time_steps  # noqa: E402
+from model.timing import state_at, time_steps  # noqa: E402
 from model.compiled import Stepper  # noqa: E402
 from model.hf import load_checkpoint  # noqa: E402
 

@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 out=benchmarks/results
 mkdir -p $out
 python benchmarks/peers.py --out $out/peers | tee $out/peers.txt   # needs the bench extra (llama-cpp-python, gguf)
-python -m model.bench --threads 1 --out $out/model_bench.json | tee $out/model_bench.txt
+python benchmarks/model_bench.py --threads 1 --out $out/model_bench.json | tee $out/model_bench.txt
 python benchmarks/models_table.py --out $out/models_table
 port=8100
 LINSTREAM_MAX_KV_SESSIONS=2 linstream serve -m linear -m performer -m retnet -m gla -m rwkv -m mamba -m hybrid -m softmax \

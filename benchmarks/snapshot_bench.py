@@ -17,7 +17,7 @@ import torch
 
 from harness.local_server import LocalServer
 from model import WEIGHTS
-from model.bench import state_at
+from model.timing import state_at
 from model.lm import LM
 from model.state import State
 

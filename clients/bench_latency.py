@@ -36,7 +36,7 @@ def over_http(c: Client, model: str, n: int, m: int, vocab: int) -> dict:
 
 
 def in_process(weights: Path, model_name: str, n: int, m: int) -> dict:
-    from model.bench import state_at, time_steps
+    from model.timing import state_at, time_steps
     from model.hf import load_checkpoint
     if model_name not in _cache:  # linstream's own checkpoints or imported (HF-format) ones alike
         _cache[model_name] = load_checkpoint(weights / model_name)[0]

@@ -1,11 +1,11 @@
 """In-process benchmark of the shipped models (no HTTP): decode latency vs position, prefill
 throughput, state bytes. Prints a table and writes JSON.
 
-    python -m model.bench --models linear softmax mamba --positions 128 1024 4096 16384 32768 \\
+    python benchmarks/model_bench.py --models linear softmax mamba --positions 128 1024 4096 16384 32768 \\
         --out benchmarks/results/model_bench.json
-    python -m model.bench --step-only --threads 1 --models linear mamba   # eager vs compiled step,
+    python benchmarks/model_bench.py --step-only --threads 1 --models linear mamba   # eager vs compiled step,
         # bare matmuls at the same batch; merged into the results file above
-    python -m model.bench --step-only --threads 1 --models linear --step-batches 64 --profile \
+    python benchmarks/model_bench.py --step-only --threads 1 --models linear --step-batches 64 --profile \
         --out /tmp/step.json   # and where the compiled step's time goes at 64 rows
 """
 from __future__ import annotations
@@ -19,46 +19,20 @@ from pathlib import Path
 
 import torch
 
-from . import WEIGHTS
-from .compiled import Stepper
-from .generate import decode_one_token, prefill
-from .hf import load_checkpoint
-from .lm import LM
-from .state import State
-
-def state_at(model: LM, position: int, seed: int = 0) -> State:
-    """A real state at `position`: the chunked form run over random tokens."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.cfg.vocab_size, (position,), generator=g)
-    return prefill(model, ids, model.init_state(1))
-
-
-def time_steps(step, state: State, steps: int, warmup: int = 5) -> list[float]:
-    """Seconds per decode step (step: an LM, or any function like LM.step). Works on a copy:
-    decode writes states in place."""
-    step = step.step if isinstance(step, LM) else step
-    state = state.clone()
-    tok = torch.zeros(state.batch, dtype=torch.long)
-    out = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        with torch.no_grad():  # not inference_mode: the compiled step is guarded on grad mode
-            _, state = step(tok, state)
-        if i >= warmup:
-            out.append(time.perf_counter() - t0)
-    return out
-
+from clients.stats import pct
+from model import WEIGHTS
+from model.compiled import Stepper
+from model.generate import decode_one_token, prefill
+from model.hf import load_checkpoint
+from model.lm import LM
+from model.state import State
+from model.timing import state_at, time_steps
 
 def batched(model: LM, one: State, batch: int) -> State:
     pool = model.init_state(batch)
     pool.assign(list(range(batch)), State([{n: t.expand(batch, *t.shape[1:]) for n, t in l.items()} for l in one.layers],
                                           one.position.expand(batch), one.time_dims, one.next_logits.expand(batch, -1)))
     return pool
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def bare_matmuls(model: LM, batch: int, steps: int) -> list[float]:
