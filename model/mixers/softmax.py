@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.conv import causal_conv, causal_conv_step
+from ..ops.naive import causal_conv_naive, rope_naive
 from ..ops.rope import rope
 from . import register
 
@@ -93,12 +94,12 @@ class SoftmaxAttention(nn.Module):
         """Token loop with explicit softmax over the growing cache, float32."""
         B, T, _ = x.shape
         tail, keys, vals = state["conv"], state["k"][:, :, : int(pos[0])], state["v"][:, :, : int(pos[0])]
-        proj, ys = self.qkv(x), []
+        conv, tail = causal_conv_naive(self.qkv(x), tail, self.conv.weight, self.conv.bias)  # (B, T, 3D)
+        ys = []
         for t in range(T):
-            c, tail = causal_conv_step(proj[:, t], tail, self.conv.weight, self.conv.bias)
-            q, k, v = self._split(c[:, None])
+            q, k, v = self._split(conv[:, t:t + 1])
             p = pos[:, None, None] + t
-            q, k = rope(q, p, self.base), rope(k, p, self.base)
+            q, k = rope_naive(q, p, self.base), rope_naive(k, p, self.base)
             keys, vals = torch.cat([keys, k], 2), torch.cat([vals, v], 2)
             w = torch.softmax((q @ keys.transpose(-1, -2)) / q.shape[-1] ** 0.5, dim=-1)
             ys.append(self._out(w @ vals))
