@@ -1,0 +1,62 @@
+"""Reduced-precision projection weights for decode: int8 weight-only, bfloat16 activations.
+
+    model = LM.load(path)
+    to_weights(model, "int8")      # every large nn.Linear becomes an Int8Linear, in place
+
+A decode step at batch 1 is bound by streaming the weights (~13 MB float32 for a shipped model),
+so a quarter of the bytes is most of the cost gone. Each projection keeps one int8 per weight and
+one scale per output row (symmetric, absmax / 127); its input is rounded to bfloat16 and
+aten's `_weight_int8pack_mm` multiplies, widening each weight and accumulating in float32; the
+result comes back float32. Everything else stays float32: embedding, norms, the mixers'
+recurrences and their state, the residual stream, and the projections too small to matter
+(mamba's 32-wide x_proj and 16-wide dt_proj). benchmarks/lowp_matmul.py measures why this kernel
+and not another: bfloat16 weights through inductor's GEMM template or oneDNN are no faster than
+the float32 template at one row, and the int8 kernel with float32 inputs is 10x slower.
+The kernel treats every row alone with the same order of additions, so the compiled step stays
+bit-identical per row across batch sizes (tests/test_lowp.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+WEIGHTS = ("float32", "int8")
+MIN_DIM = 64  # projections with a smaller side stay float32: they are a rounding error of the bytes
+
+
+class Int8Linear(nn.Module):
+    """y = (bf16(x) @ int8(W).T) * scale (+ bias), float32 out. Weight-only: x is not quantized."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().float()  # (N, K)
+        scale = w.abs().amax(1).clamp_min(1e-12) / 127  # (N,) one per output row
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(torch.bfloat16))  # the kernel wants the input's dtype
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.qweight, self.scale)
+        y = y.float().reshape(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+
+
+def to_weights(model: nn.Module, weights: str) -> nn.Module:
+    """Hold `model`'s projections in `weights` ("float32": unchanged; "int8": Int8Linear), in place.
+    The embedding stays float32 even where the head is tied to it: the head gets its own int8 copy."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
+    if weights == "float32":
+        return model
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and min(child.in_features, child.out_features) >= MIN_DIM \
+                    and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+                setattr(parent, name, Int8Linear(child))
+    model._fingerprint = None  # other weights, other model: snapshots of the float32 one do not load
+    return model
