@@ -48,15 +48,17 @@ class Int8Linear(nn.Module):
 
 def to_weights(model: nn.Module, weights: str) -> nn.Module:
     """Hold `model`'s projections in `weights` ("float32": unchanged; "int8": Int8Linear), in place.
-    The embedding stays float32 even where the head is tied to it: the head gets its own int8 copy."""
+    The embedding stays float32 even where the head is tied to it: the head gets its own int8 copy.
+    The fingerprint is the float32 checkpoint's, taken first (as load_checkpoint does before a cast):
+    a snapshot moves between servers of one checkpoint and continues within int8's tolerance."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
     if weights == "float32":
         return model
+    getattr(model, "fingerprint", None)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and min(child.in_features, child.out_features) >= MIN_DIM \
                     and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
                 setattr(parent, name, Int8Linear(child))
-    model._fingerprint = None  # other weights, other model: snapshots of the float32 one do not load
     return model
