@@ -8,8 +8,10 @@ so a quarter of the bytes is most of the cost gone. Each projection keeps one in
 one scale per output row (symmetric, absmax / 127); its input is rounded to bfloat16 and
 aten's `_weight_int8pack_mm` multiplies, widening each weight and accumulating in float32; the
 result comes back float32. Everything else stays float32: embedding, norms, the mixers'
-recurrences and their state, the residual stream, and the projections too small to matter
-(mamba's 32-wide x_proj and 16-wide dt_proj). benchmarks/lowp_matmul.py measures why this kernel
+recurrences and their state, the residual stream, and the projections whose input width is not
+a multiple of 16 (the kernel reads a row 16 at a time: other widths crash it or come back wrong).
+Small projections count too: mamba's 32-wide x_proj in float32 goes to oneDNN in the compiled
+step, ~15 us a call, a fifth of its step. benchmarks/lowp_matmul.py measures why this kernel
 and not another: bfloat16 weights through inductor's GEMM template or oneDNN are no faster than
 the float32 template at one row, and the int8 kernel with float32 inputs is 10x slower.
 The kernel treats every row alone with the same order of additions, so the compiled step stays
@@ -21,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 WEIGHTS = ("float32", "int8")
-MIN_DIM = 64  # projections with a smaller side stay float32: they are a rounding error of the bytes
+K_MULTIPLE = 16  # the kernel's input widths
 
 
 class Int8Linear(nn.Module):
@@ -36,9 +38,16 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.to(torch.bfloat16))  # the kernel wants the input's dtype
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
 
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight (N, K) float32, for code that reads a projection's weight or its
+        dtype (mamba.py casts its input to it); the forward never uses it."""
+        return self.qweight.float() * self.scale.float()[:, None]
+
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
-        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.qweight, self.scale)
+        x = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # (rows, K): the kernel wants rows dense
+        y = torch._weight_int8pack_mm(x, self.qweight, self.scale)
         y = y.float().reshape(*lead, self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -58,7 +67,7 @@ def to_weights(model: nn.Module, weights: str) -> nn.Module:
     getattr(model, "fingerprint", None)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and min(child.in_features, child.out_features) >= MIN_DIM \
+            if type(child) is nn.Linear and child.in_features % K_MULTIPLE == 0 \
                     and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
                 setattr(parent, name, Int8Linear(child))
     return model
