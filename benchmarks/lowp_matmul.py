@@ -27,7 +27,7 @@ from torch import nn
 
 from model import WEIGHTS
 from model.lm import LM
-from model.lowp import to_weights
+from model.lowp import K_MULTIPLE, to_weights
 
 
 def best_us(fns: dict, rounds: int = 15, n: int = 200) -> dict[str, float]:
@@ -79,7 +79,7 @@ def kernels(w: torch.Tensor, x: torch.Tensor) -> dict:
 
 def projections(models: list[str]) -> list[dict]:
     shapes = sorted({tuple(m.weight.shape) for name in models for m in LM.load(WEIGHTS / name).modules()
-                     if type(m) is nn.Linear and min(m.weight.shape) >= 64})
+                     if type(m) is nn.Linear and m.in_features % K_MULTIPLE == 0})
     rows = []
     for B in (1, 2):
         for N, K in shapes:
@@ -94,17 +94,19 @@ class BF16Linear(nn.Linear):
     """bfloat16 weights, bfloat16 input, float32 out: what inductor's bfloat16 GEMM template gets."""
 
     def __init__(self, lin: nn.Linear):
-        super().__init__(lin.in_features, lin.out_features, bias=False, device="meta")
+        super().__init__(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
         self.weight = nn.Parameter(lin.weight.detach().bfloat16(), requires_grad=False)
+        if lin.bias is not None:
+            self.bias = nn.Parameter(lin.bias.detach().bfloat16(), requires_grad=False)
 
     def forward(self, x):
-        return F.linear(x.bfloat16(), self.weight).float()
+        return F.linear(x.bfloat16(), self.weight, self.bias).float()
 
 
 def bf16(model: LM) -> LM:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and min(child.weight.shape) >= 64 and child.bias is None:
+            if type(child) is nn.Linear and child.in_features % K_MULTIPLE == 0:
                 setattr(parent, name, BF16Linear(child))
     return model
 
