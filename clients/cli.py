@@ -36,6 +36,8 @@ def serve(
     device: Annotated[Optional[str], typer.Option(help=f"cpu | cuda | cuda:N {_default('device')}")] = None,
     dtype: Annotated[Optional[str], typer.Option(
         help=f"weights' dtype: float32 | bfloat16 | float16 (imported checkpoints); states stay float32 {_default('dtype')}")] = None,
+    weights: Annotated[Optional[str], typer.Option(
+        help=f"projections' weights: float32 | int8 (weight-only; cpu, float32 dtype) {_default('weights')}")] = None,
     host: Annotated[Optional[str], typer.Option(help=f"bind address {_default('host')}")] = None,
     port: Annotated[Optional[int], typer.Option(help=f"port {_default('port')}")] = None,
     max_sessions: Annotated[Optional[int], typer.Option(
@@ -87,7 +89,8 @@ def serve(
     from server.settings import Settings
     given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
              "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl,
-             "max_connections": max_connections, "names": name, "device": device, "dtype": dtype, "compile": compile,
+             "max_connections": max_connections, "names": name, "device": device, "dtype": dtype, "weights": weights,
+             "compile": compile,
              "prefix_cache_bytes": prefix_cache_bytes, "prefix_cache_shared": prefix_cache_shared}
     settings = Settings(**{k: v for k, v in given.items() if v is not None and v != []})
     app = create_app(settings)

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from .config import ModelConfig
 from .lm import LM
+from .lowp import to_weights
 from .mixers.fla_common import mlp_width
 from .mixers.fla_rwkv6 import ffn_width
 from .tokenizer import Tokenizer
@@ -43,14 +44,18 @@ def is_hf(path: Path) -> bool:
         return False
 
 
-def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32") -> tuple[LM, Tokenizer]:
+def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32",
+                    weights: str = "float32") -> tuple[LM, Tokenizer]:
     """The model and tokenizer in `path` (either layout), weights moved to `device` and cast to
-    `dtype` (one of DTYPES). The state stays float32 whatever the dtype (see LM.init_state)."""
+    `dtype` (one of DTYPES), then its projections held as `weights` (model/lowp.py: "int8" on CPU
+    with float32 dtype only). The state stays float32 whatever the dtype (see LM.init_state)."""
     path = Path(path)
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r}; use one of {sorted(DTYPES)}")
     if dtype != "float32":
         _check_low_precision(path, dtype)
+    if weights != "float32" and (device, dtype) != ("cpu", "float32"):
+        raise CheckpointError(f"{weights} weights need device cpu and dtype float32, not {device} {dtype}")
     if device != "cpu":
         index = int(device.partition(":")[2] or 0)
         if not torch.cuda.is_available() or index >= torch.cuda.device_count():
@@ -64,7 +69,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
     # of one checkpoint on any device or dtype (their states are all float32) and continues
     # within the lower precision's tolerance
     model.fingerprint
-    return model.to(device=device, dtype=DTYPES[dtype]).eval(), tok
+    return to_weights(model.to(device=device, dtype=DTYPES[dtype]).eval(), weights), tok
 
 
 def _check_low_precision(path: Path, dtype: str) -> None:

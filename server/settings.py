@@ -25,6 +25,9 @@ class Settings(BaseSettings):
     # weights' dtype: float32 | bfloat16 | float16 (the latter two for Mamba models); session
     # states stay float32 whatever it is (see model/lm.py LM.init_state)
     dtype: str = "float32"
+    # projections' weights: float32, or int8 (weight-only, bfloat16 activations, CPU and float32
+    # dtype only; model/lowp.py): a batch-1 decode step streams a quarter of the bytes
+    weights: Literal["float32", "int8"] = "float32"
     max_sessions: int = 1024  # recurrent models: sessions held in memory (state slots)
     max_kv_sessions: int = 4  # KV-cache models: every slot's cache grows to the longest context held
     max_prompt_tokens: int = 65536  # per create/push/completion request
@@ -84,6 +87,8 @@ class Settings(BaseSettings):
             raise ValueError(f"device {self.device!r}: use cpu, cuda or cuda:N")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {self.dtype!r}: use float32, bfloat16 or float16")
+        if self.weights != "float32" and (self.device, self.dtype) != ("cpu", "float32"):
+            raise ValueError(f"{self.weights} weights need device cpu and dtype float32")
         if len(self.names) > len(self.models):
             raise ValueError(f"{len(self.names)} names for {len(self.models)} models")
         if not self.max_prompt_bytes:

@@ -1,0 +1,75 @@
+"""Reduced-precision projection weights for decode: int8 weight-only, bfloat16 activations.
+
+    model = LM.load(path)
+    to_weights(model, "int8")      # nn.Linear -> Int8Linear, in place (input widths a multiple of 16)
+
+A decode step at batch 1 is bound by streaming the weights (~13 MB float32 for a shipped model),
+so a quarter of the bytes is most of the cost gone. Each projection keeps one int8 per weight and
+one scale per output row (symmetric, absmax / 127); its input is rounded to bfloat16 and
+aten's `_weight_int8pack_mm` multiplies, widening each weight and accumulating in float32; its
+result, rounded to bfloat16 by the kernel, comes back float32 (the compiled step runs inductor's
+own int8 template instead, which rounds elsewhere: compiled and eager agree to bfloat16's precision). Everything else stays float32: embedding, norms, the mixers'
+recurrences and their state, the residual stream, and the projections whose input width is not
+a multiple of 16 (the kernel reads a row 16 at a time: other widths crash it or come back wrong).
+Small projections count too: mamba's 32-wide x_proj in float32 goes to oneDNN in the compiled
+step, ~15 us a call, a fifth of its step. benchmarks/lowp_matmul.py measures why this kernel
+and not another: bfloat16 weights through inductor's GEMM template take a compiled step at one row
+from 0.39/0.46 ms (linear/mamba) to 0.37/0.39 only, this kernel to 0.25/0.31, at held-out bits per
+byte within 0.0001 of float32; with float32 inputs the same kernel is 10x slower than float32.
+The kernel treats every row alone with the same order of additions, so the compiled step stays
+bit-identical per row across batch sizes (tests/test_lowp.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+WEIGHTS = ("float32", "int8")
+K_MULTIPLE = 16  # the kernel's input widths
+
+
+class Int8Linear(nn.Module):
+    """y = (bf16(x) @ int8(W).T) * scale (+ bias), float32 out. Weight-only: x is not quantized."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().float()  # (N, K)
+        scale = w.abs().amax(1).clamp_min(1e-12) / 127  # (N,) one per output row
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(torch.bfloat16))  # the kernel wants the input's dtype
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight (N, K) float32, for code that reads a projection's weight or its
+        dtype (mamba.py casts its input to it); the forward never uses it."""
+        return self.qweight.float() * self.scale.float()[:, None]
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # (rows, K): the kernel wants rows dense
+        y = torch._weight_int8pack_mm(x, self.qweight, self.scale)
+        y = y.float().reshape(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+
+
+def to_weights(model: nn.Module, weights: str) -> nn.Module:
+    """Hold `model`'s projections in `weights` ("float32": unchanged; "int8": Int8Linear), in place.
+    The embedding stays float32 even where the head is tied to it: the head gets its own int8 copy.
+    The fingerprint is the float32 checkpoint's, taken first (as load_checkpoint does before a cast):
+    a snapshot moves between servers of one checkpoint and continues within int8's tolerance."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
+    if weights == "float32":
+        return model
+    getattr(model, "fingerprint", None)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.in_features % K_MULTIPLE == 0 \
+                    and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+                setattr(parent, name, Int8Linear(child))
+    return model
