@@ -65,6 +65,7 @@ class LM(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self._fingerprint: str | None = None
+        self._num_params: int | None = None  # set when projections become int8 buffers (model/lowp.py)
 
     @staticmethod
     def _init(m):
@@ -72,7 +73,8 @@ class LM(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """The checkpoint's parameter count (an int8 model counts the weights it was made from)."""
+        return self._num_params if self._num_params is not None else sum(p.numel() for p in self.parameters())
 
     def init_state(self, batch: int = 1) -> State:
         # float32 whatever the weights' dtype: a recurrent state is a running sum over the whole

@@ -67,6 +67,8 @@ def to_weights(model: nn.Module, weights: str) -> nn.Module:
     if weights == "float32":
         return model
     getattr(model, "fingerprint", None)
+    if hasattr(model, "num_params"):
+        model._num_params = model.num_params()  # the int8 weights become buffers, not parameters
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.in_features % K_MULTIPLE == 0 \

@@ -21,7 +21,7 @@ def load_engines(settings: Settings, metrics: Metrics) -> dict[str, Engine]:
         if not (path / "config.json").is_file():
             raise SystemExit(f"no checkpoint for model {name!r} at {path}")
         try:
-            model, tok = load_checkpoint(path, settings.device, settings.dtype)
+            model, tok = load_checkpoint(path, settings.device, settings.dtype, settings.weights)
         except (CheckpointError, ValueError) as e:
             raise SystemExit(f"cannot serve {path}: {e}") from None
         served = settings.names[i] if i < len(settings.names) else path.name

@@ -313,7 +313,7 @@ def model_card(rt, name: str, e: Engine) -> dict:
             "fingerprint": e.model.fingerprint, "vocab_size": e.model.cfg.vocab_size,
             "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens, "max_prompt_tokens": cfg.max_prompt_tokens,
             "max_new_tokens": cfg.max_new_tokens, "state_bytes": e.empty.row_nbytes(0), **footprint(e.model),
-            "decode_step": e.stepper.status}
+            "weights": cfg.weights, "decode_step": e.stepper.status}
 
 
 @router.get("/models")

@@ -18,9 +18,9 @@ from model.lowp import Int8Linear, to_weights
 from model.state import State
 from model.tokenizer import Tokenizer
 
-from .conftest import random_state
+from ..conftest import random_state
 
-README = Path(__file__).parent.parent / "README.md"
+README = Path(__file__).parent.parent.parent / "README.md"
 _steppers: dict[str, Stepper] = {}
 
 
@@ -136,3 +136,45 @@ def test_loading_and_settings():
         Settings(weights="int8", dtype="bfloat16")
     with pytest.raises(ValidationError):
         Settings(weights="int4")
+
+
+def test_an_int8_server_serves_and_continues_a_float32_snapshot():
+    """`--weights int8` through the app: /v1/models says so, and a float32 server's snapshot (the
+    fingerprint is the float32 checkpoint's) restores on it and generates the same greedy tokens
+    as a local int8 model continuing the same state."""
+    import asyncio
+
+    import httpx
+
+    from server.app import create_app
+    from server.settings import Settings
+
+    ckpt = WEIGHTS / "linear"
+
+    async def run(weights: str, blob: bytes | None):
+        app = create_app(Settings(models=[str(ckpt)], weights=weights))
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                card = (await c.get("/v1/models")).json()["data"][0]
+                if blob is None:
+                    sid = (await c.post("/v1/sessions", json={"prompt": "ROMEO:\nBut soft"})).json()["id"]
+                    return card, (await c.get(f"/v1/sessions/{sid}/state")).content, None
+                r = await c.post("/v1/sessions/restore", content=blob, headers={"Content-Type": "application/octet-stream"})
+                assert r.status_code == 201, r.text
+                out = await c.post(f"/v1/sessions/{r.json()['id']}/generate",
+                                   json={"max_tokens": 12, "temperature": 0, "stream": False})
+                return card, None, out.json()["tokens"]
+
+    card32, blob, _ = asyncio.run(run("float32", None))
+    card8, _, tokens = asyncio.run(run("int8", blob))
+    assert (card32["weights"], card8["weights"]) == ("float32", "int8")
+    assert card8["fingerprint"] == card32["fingerprint"] and card8["parameters"] == card32["parameters"]
+    model, _ = load_checkpoint(ckpt, weights="int8")
+    state = State.from_bytes(blob, model.init_state(1), model.fingerprint)
+    want = []
+    with torch.inference_mode():
+        for _ in range(12):
+            t = state.next_logits.argmax(-1)
+            want.append(int(t))
+            _, state = model.step(t, state)
+    assert tokens == want
