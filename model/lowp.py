@@ -17,7 +17,7 @@ and not another: bfloat16 weights through inductor's GEMM template take a compil
 from 0.39/0.46 ms (linear/mamba) to 0.37/0.39 only, this kernel to 0.25/0.31, at held-out bits per
 byte within 0.0001 of float32; with float32 inputs the same kernel is 10x slower than float32.
 The kernel treats every row alone with the same order of additions, so the compiled step stays
-bit-identical per row across batch sizes (tests/test_lowp.py).
+bit-identical per row across batch sizes (tests/model/test_lowp.py).
 """
 from __future__ import annotations
 

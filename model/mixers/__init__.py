@@ -11,6 +11,11 @@ Every mixer is an `nn.Module` with
 `owns_norms = True`: the mixer is the whole block, norms included (RWKV-4); the LM adds its output
 to the residual stream and applies no norm before it.
 `time_dims` names state tensors that grow with the sequence (the KV cache) and the dim they grow on.
+
+Each file's docstring cites its paper, writes the recurrence out and names its kernels in
+model/ops/ (whose __init__ lists every op, its reference and its test). tests/model/test_mixers.py
+holds every mixer's three forms together (outputs and final state); tests/model/test_fla.py the
+fla_* mixers against fla's own checkpoints.
 """
 from __future__ import annotations
 

@@ -5,7 +5,11 @@ Vaswani et al. 2017 (scaled dot-product attention, eq. 1) with rotary position e
 so the only difference is the mixer: its state is the KV cache, which grows by one (K, V) row
 per token and per layer, and each decode step reads all of it.
 
-Shapes: B batch, T time, H heads, K head dim, C cache capacity (>= positions held).
+The rotation and the short convolution are model/ops/rope.py's and conv.py's; the attention itself is
+torch's scaled_dot_product_attention, and the reference (`naive`, below) a token loop with an
+explicit softmax over the growing cache, rotated by model/ops/naive.py's rope_naive.
+
+Shapes: B batch, T time, D d_model, H heads, K head dim, C cache capacity (>= positions held).
 State: k, v (B, H, C, K) holding rotated keys and values at positions [0, pos); conv (B, W-1, 3D).
 """
 from __future__ import annotations

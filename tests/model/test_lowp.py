@@ -99,7 +99,7 @@ def test_a_shipped_model_loses_under_a_hundredth_of_a_bit_per_byte():
 @pytest.mark.skipif(compiler_missing() is not None, reason="no C++ compiler for inductor")
 @pytest.mark.parametrize("preset", ["tiny-linear", "tiny-mamba"])
 def test_compiled_int8_rows_do_not_depend_on_the_batch(preset):
-    """As tests/test_compiled.py for float32: the int8 kernel treats each row alone."""
+    """As tests/model/test_compiled.py for float32: the int8 kernel treats each row alone."""
     st = Stepper(to_weights(small(preset), "int8"), "on", background=False)
     assert st.wait() and (st.kernels, st.min_rows) == ("packed", MIN_ROWS)
     model, state = st.model, random_state(st.model, 70)
