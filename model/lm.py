@@ -3,6 +3,10 @@
 The model computes logits and advances state; it never samples (see sampling.py / generate.py).
   forward(tokens (B, T), state) -> logits (B, T, V), state     chunked form: prefill and training
   step(tokens (B,), state) -> logits (B, V), state             one token per row: decode
+
+Shapes: B batch, T time, D d_model, V vocabulary (here V is the vocabulary, not a head's value dim).
+A block's x is (B, T, D) in the chunked forms ('forward', 'naive') and (B, D) in 'step'; each
+mixer's state tensors are written in its own file and in state.py.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ class RMSNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.ones(d))
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight  # (..., D)
 
 
 class MLP(nn.Module):
@@ -35,7 +39,7 @@ class MLP(nn.Module):
         self.up, self.down = nn.Linear(d, int(ratio * d), bias=False), nn.Linear(int(ratio * d), d, bias=False)
 
     def forward(self, x):
-        return self.down(F.gelu(self.up(x)))
+        return self.down(F.gelu(self.up(x)))  # (..., D) -> (..., ratio * D) -> (..., D)
 
 
 class Block(nn.Module):
@@ -48,9 +52,10 @@ class Block(nn.Module):
         self.mlp = MLP(cfg.d_model, cfg.mlp_ratio) if cfg.mlp_ratio else None
 
     def forward(self, x, state, pos, form: str):
+        # x (B, T, D) for 'forward' and 'naive', (B, D) for 'step'; y has x's shape
         y, state = getattr(self.mixer, form)(x if self.norm1 is None else self.norm1(x), state, pos)
         x = x + y
-        return (x if self.mlp is None else x + self.mlp(self.norm2(x))), state
+        return (x if self.mlp is None else x + self.mlp(self.norm2(x))), state  # x's shape
 
 
 class LM(nn.Module):
@@ -90,10 +95,10 @@ class LM(nn.Module):
         """tokens (B, T). form 'forward' is the chunked/parallel path; 'naive' the token loop.
         With state=None the pass starts from zero and returns no state (training)."""
         x = self.embed(tokens.to(self.embed.weight.device))  # (B, T, D)
-        pos = None if state is None else state.position
+        pos = None if state is None else state.position  # (B,) each row's position before these tokens
         new = []
         for i, block in enumerate(self.blocks):
-            x, s = block(x, None if state is None else state.layers[i], pos, form)
+            x, s = block(x, None if state is None else state.layers[i], pos, form)  # (B, T, D)
             new.append(s)
         logits = self.head(self.norm(x)).float()  # (B, T, V); sampled in float32 whatever the weights
         if state is None:
@@ -115,9 +120,9 @@ class LM(nn.Module):
         x = self.embed(tokens.to(self.embed.weight.device))  # (B, D)
         new = []
         for block, layer in zip(self.blocks, layers):
-            x, s = block(x, layer, position, "step")
+            x, s = block(x, layer, position, "step")  # (B, D)
             new.append(s)
-        return self.head(self.norm(x)).float(), new
+        return self.head(self.norm(x)).float(), new  # (B, V)
 
     # ---- identity and checkpoints --------------------------------------------------------
     @property

@@ -12,7 +12,7 @@ The kernels are model/ops/gated_attn.py's (shared with `rwkv`, RWKV-6's exclusiv
 bonus), the reference model/ops/naive.py's; the convolution over q/k/v and the gated output
 projection are common.py's frame.
 
-Shapes: B batch, T time, H heads, K = V = d_model // H, R = 16 the gate's rank.
+Shapes: B batch, T time, D d_model, H heads, K = V = D // H, R = 16 the gate's rank, W the convolution's width.
 State: S (B, H, K, V), conv (B, W-1, 3D).
 """
 from __future__ import annotations
@@ -56,19 +56,19 @@ class GatedLinearAttention(ConvQKV):
 
     def forward(self, x, state=None, pos=None):
         qkv, tail = self._conv_forward(x, state)  # (B, T, 3D)
-        q, k, v, g = self._qkvg(qkv, x)
+        q, k, v, g = self._qkvg(qkv, x)  # (B, H, T, K), v (B, H, T, V)
         o, S = gated_attn_chunked(q, k, v, g, None if state is None else state["S"], state is not None,
                                   self.chunk_size)  # (B, H, T, V)
-        return self._out(o, x), (None if state is None else {"S": S, "conv": tail})
+        return self._out(o, x), (None if state is None else {"S": S, "conv": tail})  # (B, T, D)
 
     def step(self, x, state, pos=None):
         qkv, tail = self._conv_step(x, state)  # (B, 1, 3D)
         q, k, v, g = (t[:, :, 0] for t in self._qkvg(qkv, x[:, None]))  # (B, H, K)
         o, S = gated_attn_step(q, k, v, g, state["S"], inplace=True)  # (B, H, V)
-        return self._out(o[:, :, None], x[:, None])[:, 0], {"S": S, "conv": tail}
+        return self._out(o[:, :, None], x[:, None])[:, 0], {"S": S, "conv": tail}  # (B, D)
 
     def naive(self, x, state, pos=None):
-        qkv, tail = self._conv_naive(x, state)
+        qkv, tail = self._conv_naive(x, state)  # (B, T, 3D)
         q, k, v, g = self._qkvg(qkv, x)
-        o, S = gated_attn_naive(q, k, v, g, state["S"])
-        return self._out(o, x), {"S": S, "conv": tail}
+        o, S = gated_attn_naive(q, k, v, g, state["S"])  # (B, H, T, V)
+        return self._out(o, x), {"S": S, "conv": tail}  # (B, T, D)

@@ -10,7 +10,8 @@ the original. A short causal depthwise convolution runs over q/k/v before the fe
 and the output is gated by SiLU(W_g x) as in RetNet/GLA (model/mixers/common.py).
 The kernels are model/ops/decayed_attn.py's; the reference, model/ops/naive.py's.
 
-Shapes: B batch, T time, H heads, K key (feature) dim, V value dim (K = V = d_model // H here).
+Shapes: B batch, T time, D d_model, H heads, K key (feature) dim, V value dim (K = V = D // H here),
+W the convolution's width.
 State: S (B, H, K, V), z (B, H, K), conv (B, W-1, 3D).
 """
 from __future__ import annotations
@@ -62,19 +63,19 @@ class LinearAttention(ConvQKV):
 
     def forward(self, x, state=None, pos=None):
         qkv, tail = self._conv_forward(x, state)  # (B, T, 3D)
-        q, k, v = self._qkv(qkv)
+        q, k, v = self._qkv(qkv)  # phi(q), phi(k) (B, H, T, K), v (B, H, T, V)
         init = None if state is None else (state["S"], state["z"])
         o, fin = linear_attn_chunked(q, k, v, self.gamma, init, state is not None, self.chunk_size)  # (B, H, T, V)
-        return self._out(o, x), (None if state is None else {"S": fin[0], "z": fin[1], "conv": tail})
+        return self._out(o, x), (None if state is None else {"S": fin[0], "z": fin[1], "conv": tail})  # (B, T, D)
 
     def step(self, x, state, pos=None):
         qkv, tail = self._conv_step(x, state)  # (B, 1, 3D)
         q, k, v = (t[:, :, 0] for t in self._qkv(qkv))  # (B, H, K)
         o, (S, z) = linear_attn_step(q, k, v, self.gamma, (state["S"], state["z"]), inplace=True)  # (B, H, V)
-        return self._out(o[:, :, None], x[:, None])[:, 0], {"S": S, "z": z, "conv": tail}
+        return self._out(o[:, :, None], x[:, None])[:, 0], {"S": S, "z": z, "conv": tail}  # (B, D)
 
     def naive(self, x, state, pos=None):
-        qkv, tail = self._conv_naive(x, state)
+        qkv, tail = self._conv_naive(x, state)  # (B, T, 3D)
         q, k, v = self._qkv(qkv)
-        o, (S, z) = linear_attn_naive(q, k, v, self.gamma, (state["S"], state["z"]))
-        return self._out(o, x), {"S": S, "z": z, "conv": tail}
+        o, (S, z) = linear_attn_naive(q, k, v, self.gamma, (state["S"], state["z"]))  # (B, H, T, V)
+        return self._out(o, x), {"S": S, "z": z, "conv": tail}  # (B, T, D)

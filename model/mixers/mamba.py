@@ -71,26 +71,26 @@ class Mamba(nn.Module):
 
     def forward(self, u, state=None, pos=None):
         x, z = self.in_proj(u).chunk(2, dim=-1)  # (b, l, e)
-        x, tail = causal_conv(x.float(), None if state is None else state["conv"], *self._conv())
+        x, tail = causal_conv(x.float(), None if state is None else state["conv"], *self._conv())  # (b, l, e)
         x = F.silu(x)
-        delta, B, C = self._ssm_inputs(x)
+        delta, B, C = self._ssm_inputs(x)  # delta (b, l, e), B, C (b, l, n)
         y, h = selective_scan(x, delta, -torch.exp(self.A_log), B, C, self.D,
-                              None if state is None else state["h"], state is not None)
-        out = self.out_proj((y * F.silu(z)).to(u.dtype))
+                              None if state is None else state["h"], state is not None)  # y (b, l, e), h (b, e, n)
+        out = self.out_proj((y * F.silu(z)).to(u.dtype))  # (b, l, d)
         return out, (None if state is None else {"h": h, "conv": tail})
 
     def step(self, u, state, pos=None):
         x, z = self.in_proj(u).chunk(2, dim=-1)  # (b, e)
-        x, tail = causal_conv_step(x.float(), state["conv"], *self._conv(), inplace=True)
+        x, tail = causal_conv_step(x.float(), state["conv"], *self._conv(), inplace=True)  # (b, e)
         x = F.silu(x)
-        delta, B, C = self._ssm_inputs(x)
+        delta, B, C = self._ssm_inputs(x)  # delta (b, e), B, C (b, n)
         y, h = selective_scan_step(x, delta, -torch.exp(self.A_log), B, C, self.D, state["h"], inplace=True)  # (b, e)
-        return self.out_proj((y * F.silu(z)).to(u.dtype)), {"h": h, "conv": tail}
+        return self.out_proj((y * F.silu(z)).to(u.dtype)), {"h": h, "conv": tail}  # (b, d)
 
     def naive(self, u, state, pos=None):
-        x, z = self.in_proj(u).chunk(2, dim=-1)
+        x, z = self.in_proj(u).chunk(2, dim=-1)  # (b, l, e)
         x, tail = causal_conv_naive(x.float(), state["conv"], *self._conv())
         x = F.silu(x)
-        delta, B, C = self._ssm_inputs(x)
-        y, h = selective_scan_naive(x, delta, -torch.exp(self.A_log), B, C, self.D, state["h"])
-        return self.out_proj((y * F.silu(z)).to(u.dtype)), {"h": h, "conv": tail}
+        delta, B, C = self._ssm_inputs(x)  # delta (b, l, e), B, C (b, l, n)
+        y, h = selective_scan_naive(x, delta, -torch.exp(self.A_log), B, C, self.D, state["h"])  # (b, l, e)
+        return self.out_proj((y * F.silu(z)).to(u.dtype)), {"h": h, "conv": tail}  # (b, l, d)

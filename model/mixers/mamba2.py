@@ -82,26 +82,26 @@ class Mamba2(nn.Module):
         return -torch.exp(self.A_log.float()), self.D.float()
 
     def forward(self, u, state=None, pos=None):
-        z, xbc, dt = self._split(u)
+        z, xbc, dt = self._split(u)  # z (b, l, e), xbc (b, l, e + 2 g n), dt (b, l, h)
         xbc, tail = causal_conv(xbc.float(), None if state is None else state["conv"], *self._conv())
-        x, delta, B, C = self._inputs(xbc, dt)
+        x, delta, B, C = self._inputs(xbc, dt)  # x (b, l, h, p), delta (b, l, h), B, C (b, l, h, n)
         A, D = self._A_D()
         y, S = ssd_chunked(x, delta, A, B, C, D, None if state is None else state["S"], state is not None,
                            self.chunk)  # (b, l, h, p)
-        return self._out(y, z, u.dtype), (None if state is None else {"S": S, "conv": tail})
+        return self._out(y, z, u.dtype), (None if state is None else {"S": S, "conv": tail})  # (b, l, d)
 
     def step(self, u, state, pos=None):
-        z, xbc, dt = self._split(u)  # (b, ..)
+        z, xbc, dt = self._split(u)  # z (b, e), xbc (b, e + 2 g n), dt (b, h)
         xbc, tail = causal_conv_step(xbc.float(), state["conv"], *self._conv())
         x, delta, B, C = self._inputs(xbc, dt)  # x (b, h, p), delta (b, h), B, C (b, h, n)
         A, D = self._A_D()
         y, S = ssd_step(x, delta, A, B, C, D, state["S"])  # (b, h, p)
-        return self._out(y, z, u.dtype), {"S": S, "conv": tail}
+        return self._out(y, z, u.dtype), {"S": S, "conv": tail}  # (b, d)
 
     def naive(self, u, state, pos=None):
         z, xbc, dt = self._split(u)
         xbc, tail = causal_conv_naive(xbc.float(), state["conv"], *self._conv())
         x, delta, B, C = self._inputs(xbc, dt)
         A, D = self._A_D()
-        y, S = ssd_naive(x, delta, A, B, C, D, state["S"])
-        return self._out(y, z, u.dtype), {"S": S, "conv": tail}
+        y, S = ssd_naive(x, delta, A, B, C, D, state["S"])  # (b, l, h, p)
+        return self._out(y, z, u.dtype), {"S": S, "conv": tail}  # (b, l, d)

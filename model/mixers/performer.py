@@ -15,7 +15,8 @@ constant, and every exponent is bounded by |w| sqrt(TAU_MAX), so no key feature 
 context length. Each query's features are divided by their largest, which cancels between
 numerator and denominator. Same projections, short convolution, SiLU output gate and kernels as
 `linear` (it subclasses it): only the feature map and the decays (none) differ.
-State: S (B, H, M, V), z (B, H, M), conv (B, W-1, 3D).
+Shapes: B batch, T time, D d_model, H heads, K = V = D // H, M random features per head, W the
+convolution's width. State: S (B, H, M, V), z (B, H, M), conv (B, W-1, 3D).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ the state is (S, z) plus the position the session already carries.
 The short causal convolution over q/k/v and the gated output are common.py's frame; the kernels
 are model/ops/decayed_attn.py's (num and den apart), the reference model/ops/naive.py's.
 
-Shapes: B batch, T time, H heads, K = V = d_model // H. State: S (B, H, K, V), z (B, H, K),
+Shapes: B batch, T time, D d_model, H heads, K = V = D // H, W the convolution's width. State: S (B, H, K, V), z (B, H, K),
 conv (B, W-1, 3D); the position comes from the session.
 """
 from __future__ import annotations
@@ -69,26 +69,28 @@ class Retention(ConvQKV):
 
     def forward(self, x, state=None, pos=None):
         B, T, _ = x.shape
-        positions = self._positions(pos, B, T, x.device)
+        positions = self._positions(pos, B, T, x.device)  # (B, 1, T)
         qkv, tail = self._conv_forward(x, state)  # (B, T, 3D)
-        q, k, v = self._qkv(qkv, positions)
+        q, k, v = self._qkv(qkv, positions)  # (B, H, T, K)
         init = None if state is None else (state["S"], state["z"])
-        num, den, fin = decayed_attn_chunked(q, k, v, self.gamma, init, state is not None, self.chunk_size)
-        y = self._normed(num, den, positions, x)
+        num, den, fin = decayed_attn_chunked(q, k, v, self.gamma, init, state is not None,
+                                             self.chunk_size)  # num (B, H, T, V), den (B, H, T)
+        y = self._normed(num, den, positions, x)  # (B, T, D)
         return y, (None if state is None else {"S": fin[0], "z": fin[1], "conv": tail})
 
     def step(self, x, state, pos):
         positions = pos[:, None, None]  # (B, 1, 1)
         qkv, tail = self._conv_step(x, state)  # (B, 1, 3D)
         q, k, v = (t[:, :, 0] for t in self._qkv(qkv, positions))  # (B, H, K)
-        num, den, (S, z) = decayed_attn_step(q, k, v, self.gamma, (state["S"], state["z"]), inplace=True)
+        num, den, (S, z) = decayed_attn_step(q, k, v, self.gamma, (state["S"], state["z"]),
+                                             inplace=True)  # num (B, H, V), den (B, H)
         return self._normed(num[:, :, None], den[:, :, None], positions, x[:, None])[:, 0], \
-            {"S": S, "z": z, "conv": tail}
+            {"S": S, "z": z, "conv": tail}  # (B, D)
 
     def naive(self, x, state, pos):
         B, T, _ = x.shape
-        positions = self._positions(pos, B, T, x.device)
-        qkv, tail = self._conv_naive(x, state)
-        q, k, v = self._qkv(qkv, positions, rotate=rope_naive)
+        positions = self._positions(pos, B, T, x.device)  # (B, 1, T)
+        qkv, tail = self._conv_naive(x, state)  # (B, T, 3D)
+        q, k, v = self._qkv(qkv, positions, rotate=rope_naive)  # (B, H, T, K)
         num, den, (S, z) = decayed_attn_naive(q, k, v, self.gamma, (state["S"], state["z"]))
-        return self._normed(num, den, positions, x), {"S": S, "z": z, "conv": tail}
+        return self._normed(num, den, positions, x), {"S": S, "z": z, "conv": tail}  # (B, T, D)

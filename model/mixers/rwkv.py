@@ -18,6 +18,10 @@ Departures, stated: the LoRA ranks are 16 (mix) and 32 (decay) instead of 32 and
 stays within 10 % of the other mixers' parameter count; the channel-mix block is the MLP every
 model here shares, so only the time mix differs; log w_t is clamped at -20 (w_t >= 2e-9, already
 no memory) to bound the log-space cumulative sums of the chunked form.
+
+Shapes: B batch, T time, D d_model, H heads, K = V = D // H, R the LoRA rank (16 mix, 32 decay).
+State: S (B, H, K, V), shift (B, D) the last token's input. The kernels are model/ops/gated_attn.py's,
+the reference model/ops/naive.py's gated_attn_naive.
 """
 from __future__ import annotations
 
@@ -92,23 +96,24 @@ class RWKV6TimeMix(nn.Module):
 
     def forward(self, x, state=None, pos=None):
         shift = x.new_zeros(x.shape[0], x.shape[2]) if state is None else state["shift"]
-        prev, shift = self._shifted(x, shift)
-        r, k, v, logw, g = self._project(x, prev)
+        prev, shift = self._shifted(x, shift)  # prev (B, T, D), shift (B, D)
+        r, k, v, logw, g = self._project(x, prev)  # (B, H, T, K), g (B, T, D)
         o, S = gated_attn_chunked(r, k, v, logw, None if state is None else state["S"], state is not None,
-                                  self.chunk_size, bonus=self.bonus)
-        return self._out(o, g), (None if state is None else {"S": S, "shift": shift})
+                                  self.chunk_size, bonus=self.bonus)  # (B, H, T, V)
+        return self._out(o, g), (None if state is None else {"S": S, "shift": shift})  # (B, T, D)
 
     def step(self, x, state, pos=None):
-        r, k, v, logw, g = self._project(x[:, None], state["shift"][:, None])
-        o, S = gated_attn_step(r[:, :, 0], k[:, :, 0], v[:, :, 0], logw[:, :, 0], state["S"], self.bonus, inplace=True)
-        return self._out(o[:, :, None], g)[:, 0], {"S": S, "shift": x}
+        r, k, v, logw, g = self._project(x[:, None], state["shift"][:, None])  # (B, H, 1, K), g (B, 1, D)
+        o, S = gated_attn_step(r[:, :, 0], k[:, :, 0], v[:, :, 0], logw[:, :, 0], state["S"], self.bonus,
+                               inplace=True)  # (B, H, V)
+        return self._out(o[:, :, None], g)[:, 0], {"S": S, "shift": x}  # (B, D)
 
     def naive(self, x, state, pos=None):
         shift, prevs = state["shift"], []
         for t in range(x.shape[1]):  # the token shift one token at a time, like the recurrence
             prevs.append(shift)
             shift = x[:, t]
-        prev = torch.stack(prevs, 1) if prevs else x
-        r, k, v, logw, g = self._project(x, prev)
-        o, S = gated_attn_naive(r, k, v, logw, state["S"], self.bonus)
-        return self._out(o, g), {"S": S, "shift": shift}
+        prev = torch.stack(prevs, 1) if prevs else x  # (B, T, D)
+        r, k, v, logw, g = self._project(x, prev)  # (B, H, T, K), g (B, T, D)
+        o, S = gated_attn_naive(r, k, v, logw, state["S"], self.bonus)  # (B, H, T, V)
+        return self._out(o, g), {"S": S, "shift": shift}  # (B, T, D)

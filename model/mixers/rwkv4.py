@@ -96,10 +96,10 @@ class RWKV4(nn.Module):
         x = self.pre(x)
         h = self.ln1(x)
         r, k, v = self.attention.inputs(h, shift(h, state["att_shift"].to(h.dtype)))  # (b, l, a)
-        y, (num, den, mx) = wkv(k, v, *self.attention.w_u(), (state["num"], state["den"], state["max"]))
-        x = x + self.attention.output((r * y).to(x.dtype))
+        y, (num, den, mx) = wkv(k, v, *self.attention.w_u(), (state["num"], state["den"], state["max"]))  # (b, l, a)
+        x = x + self.attention.output((r * y).to(x.dtype))  # (b, l, d)
         g = self.ln2(x)
-        x = x + self.feed_forward(g, shift(g, state["ffn_shift"].to(g.dtype)))
+        x = x + self.feed_forward(g, shift(g, state["ffn_shift"].to(g.dtype)))  # (b, l, d)
         new = {"att_shift": h[:, -1].float(), "ffn_shift": g[:, -1].float(), "num": num, "den": den, "max": mx}
         return x - x0, new
 
@@ -109,14 +109,14 @@ class RWKV4(nn.Module):
     def forward(self, u, state=None, pos=None):
         st = state if state is not None else self.init_state(u.shape[0], u.device)
         y, new = self._run(u, st, lambda *a: wkv_chunked(*a, output_final_state=True, chunk_size=self.chunk))
-        return y, (None if state is None else new)
+        return y, (None if state is None else new)  # (b, l, d)
 
     def step(self, u, state, pos=None):
-        y, new = self._run(u[:, None], state, _one_token)
-        return y[:, 0], new
+        y, new = self._run(u[:, None], state, _one_token)  # (b, 1, d)
+        return y[:, 0], new  # (b, d)
 
     def naive(self, u, state, pos=None):
-        return self._run(u, state, wkv_naive)
+        return self._run(u, state, wkv_naive)  # (b, l, d)
 
 
 @register("rwkv4-in")
