@@ -4,11 +4,10 @@ uses transformers' parameter names, so the weights load without renaming.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from model.lm import LM
+from model.timing import generate_ms_per_token
 
 
 def why_unavailable() -> str | None:
@@ -36,20 +35,9 @@ def to_transformers(lm: LM):
     return hf
 
 
-@torch.no_grad()
 def generate_ms(hf, context: list[int], m: int) -> dict:
-    """ms per generated token of greedy `generate` at batch 1: (m+1 new tokens - 1 new token) / m,
-    so the prompt's prefill cancels out."""
-    ids = torch.tensor([context])
-    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-    hf.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
-    t0 = time.perf_counter()
-    hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-    one = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    hf.generate(ids, max_new_tokens=m + 1, min_new_tokens=m + 1, **kw)
-    full = time.perf_counter() - t0
-    return {"ms_per_token": 1000 * (full - one) / m, "tokens": m}
+    """ms per generated token of greedy `generate` at batch 1, the prompt's prefill cancelled out."""
+    return {"ms_per_token": generate_ms_per_token(hf, torch.tensor([context]), m), "tokens": m}
 
 
 @torch.no_grad()

@@ -58,16 +58,9 @@ def hf_mamba(m: int, n: int = 128) -> dict | None:
                       conv_kernel=4, time_step_rank=16, use_cache=True)
     lm = MambaForCausalLM(cfg).eval()
     ids = torch.randint(0, 2048, (1, n))
-    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-    with torch.no_grad():
-        lm.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
-        t0 = time.perf_counter()
-        lm.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-        one = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        lm.generate(ids, max_new_tokens=m + 1, min_new_tokens=m + 1, **kw)
-        full = time.perf_counter() - t0
-    return {"context": n, "ms_per_token": 1000 * (full - one) / m, "parameters": sum(p.numel() for p in lm.parameters())}
+    from model.timing import generate_ms_per_token
+    return {"context": n, "ms_per_token": generate_ms_per_token(lm, ids, m),
+            "parameters": sum(p.numel() for p in lm.parameters())}
 
 
 def run(url, models, contexts, m, do_in_process, do_hf, threads, out, weights=None):

@@ -1,6 +1,7 @@
 """Timing the model in-process: a real state at a given position, and seconds per decode step.
 Used by the in-process benchmarks (benchmarks/model_bench.py, benchmarks/models_table.py, ...)
-and by `linstream bench latency`'s in-process column."""
+and by `linstream bench latency`'s in-process column; and the same figure for a transformers
+model's `generate`, the peer both compare against (benchmarks/peers_hf.py, `bench latency`)."""
 from __future__ import annotations
 
 import time
@@ -33,3 +34,18 @@ def time_steps(step, state: State, steps: int, warmup: int = 5) -> list[float]:
         if i >= warmup:
             out.append(time.perf_counter() - t0)
     return out
+
+
+def generate_ms_per_token(hf, ids: torch.Tensor, m: int) -> float:
+    """ms per generated token of a transformers model's greedy `generate` from ids (1, n):
+    (m+1 new tokens - 1 new token) / m, so the prompt's prefill cancels out."""
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        hf.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        one = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=m + 1, min_new_tokens=m + 1, **kw)
+        full = time.perf_counter() - t0
+    return 1000 * (full - one) / m
