@@ -17,6 +17,7 @@ COPY pyproject.toml README.md ./
 COPY model ./model
 COPY server ./server
 COPY clients ./clients
+COPY linstream ./linstream
 RUN pip install . && mkdir -p /data && chown nobody /data
 # sessions and snapshots persist here; mount a volume to keep them across containers
 ENV LINSTREAM_STORE=disk:/data/store

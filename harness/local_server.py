@@ -43,7 +43,7 @@ class LocalServer:
                  cwd: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "clients", "serve", "--port", str(self.port), "--threads", str(threads),
+        args = [sys.executable, "-m", "linstream", "serve", "--port", str(self.port), "--threads", str(threads),
                 "--log-level", "warning", *extra]
         for m in models:
             args += ["--model", m]

@@ -29,8 +29,8 @@ def server(ckpts):
 
 
 def cli(*args, input=None, env=None, cwd=ROOT):
-    env = {**(env or os.environ), "PYTHONPATH": str(ROOT)}  # `-m clients` from any directory
-    return subprocess.run([sys.executable, "-m", "clients", *args], cwd=cwd, input=input, capture_output=True,
+    env = {**(env or os.environ), "PYTHONPATH": str(ROOT)}  # `-m linstream` from any directory
+    return subprocess.run([sys.executable, "-m", "linstream", *args], cwd=cwd, input=input, capture_output=True,
                           text=True, timeout=300, env=env)
 
 
@@ -109,7 +109,7 @@ def test_cli_chat_help_save_without_a_name_and_ctrl_c_keeps_the_session(server, 
     assert r.returncode == 0 and "/save [FILE]" in r.stdout, r.stderr
     saved = list(tmp_path.glob("chat-*.safetensors"))
     assert len(saved) == 1 and f"to {saved[0].name}" in r.stdout
-    proc = subprocess.Popen([sys.executable, "-m", "clients", "chat", "--url", server.url], cwd=ROOT, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "linstream", "chat", "--url", server.url], cwd=ROOT, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     sid = proc.stdout.readline().split()[1].rstrip(";")
     assert proc.stdout.read(2) == "> "  # waiting at the prompt, where a user presses Ctrl-C
@@ -155,7 +155,7 @@ def test_cli_loadtest_tiny(server, tmp_path):
 def test_serve_says_what_it_serves_and_a_client_without_server_says_one_line(ckpts):
     from harness.local_server import free_port
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "clients", "serve", "--port", str(port), "--store", "memory",
+    proc = subprocess.Popen([sys.executable, "-m", "linstream", "serve", "--port", str(port), "--store", "memory",
                              "--log-level", "warning", "-m", str(ckpts / "linear"), "-m", str(ckpts / "softmax")],
                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

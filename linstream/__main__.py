@@ -1,0 +1,4 @@
+"""`python -m linstream` == `linstream`."""
+from .cli import main
+
+main()

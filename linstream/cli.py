@@ -1,0 +1,153 @@
+"""The `linstream` command: `serve` (the server, below) beside the client commands
+(clients/commands.py) on clients.cli's typer app. The one module that imports both server and
+clients, so that neither has to import the other."""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from clients.cli import app
+from clients.cli import main as _run
+
+
+def _default(name: str) -> str:
+    """A server setting's default, as `serve --help` shows it (the Settings class holds it)."""
+    from server.settings import Settings
+    f = Settings.model_fields[name]
+    value = f.default_factory() if f.default_factory else f.default
+    return f"(default {', '.join(value) if isinstance(value, list) else value}; env LINSTREAM_{name.upper()})"
+
+
+def _shipped() -> str:
+    from model import WEIGHTS
+    return ", ".join(sorted(p.name for p in WEIGHTS.iterdir() if (p / "config.json").exists())) or "none"
+
+
+@app.command()
+def serve(
+    model: Annotated[Optional[list[str]], typer.Option(
+        "--model", "-m", help=f"model name (shipped: {_shipped()}) or checkpoint dir; repeat to serve several "
+                              f"(first = default) {_default('models')}")] = None,
+    name: Annotated[Optional[list[str]], typer.Option(
+        help="the API's name for the model given by the same-numbered --model (default: its directory's name)")] = None,
+    device: Annotated[Optional[str], typer.Option(help=f"cpu | cuda | cuda:N {_default('device')}")] = None,
+    dtype: Annotated[Optional[str], typer.Option(
+        help=f"weights' dtype: float32 | bfloat16 | float16 (imported checkpoints); states stay float32 {_default('dtype')}")] = None,
+    weights: Annotated[Optional[str], typer.Option(
+        help=f"projections' weights: float32 | int8 (weight-only; cpu, float32 dtype) {_default('weights')}")] = None,
+    host: Annotated[Optional[str], typer.Option(help=f"bind address {_default('host')}")] = None,
+    port: Annotated[Optional[int], typer.Option(help=f"port {_default('port')}")] = None,
+    max_sessions: Annotated[Optional[int], typer.Option(
+        help=f"sessions in memory per recurrent model {_default('max_sessions')}")] = None,
+    threads: Annotated[Optional[int], typer.Option(
+        help=f"torch threads, 0 = torch's default {_default('threads')}")] = None,
+    store: Annotated[Optional[str], typer.Option(
+        help=f"memory | disk:PATH | redis://HOST:PORT/DB {_default('store')}")] = None,
+    session_ttl: Annotated[Optional[float], typer.Option(
+        help=f"seconds idle before a session expires, 0 = never {_default('session_ttl')}")] = None,
+    api_key: Annotated[Optional[list[str]], typer.Option(
+        help="require this bearer key (repeatable) (default none: no key needed; env LINSTREAM_API_KEYS)")] = None,
+    api_key_file: Annotated[Optional[str], typer.Option(
+        help="file with one key per line (default none; env LINSTREAM_API_KEY_FILE)")] = None,
+    max_connections: Annotated[Optional[int], typer.Option(
+        help=f"connections open at once; more get 503 {_default('max_connections')}")] = None,
+    compile: Annotated[Optional[str], typer.Option(
+        help=f"auto | on | off: compiled decode step, warmed in the background {_default('compile')}")] = None,
+    prefix_cache_bytes: Annotated[Optional[int], typer.Option(
+        help=f"bytes of OpenAI requests' prefix states kept, so a re-sent conversation prefills only its new part "
+             f"(0 = off) {_default('prefix_cache_bytes')}")] = None,
+    prefix_cache_shared: Annotated[Optional[bool], typer.Option(
+        "--prefix-cache-shared/--prefix-cache-per-key",
+        help="share cached prefix states across API keys (single tenant) [default per key]")] = None,
+    log_level: Annotated[str, typer.Option(
+        help="uvicorn's log level: critical | error | warning | info | debug")] = "info",
+    allocator: Annotated[str, typer.Option(
+        envvar="LINSTREAM_ALLOCATOR",
+        help="auto | system | jemalloc: restart under libjemalloc (LD_PRELOAD), which keeps resident memory "
+             "flat under load; auto does so where libjemalloc is installed")] = "auto",
+):
+    """Serve models over HTTP. Unset options come from LINSTREAM_* environment variables."""
+    if allocator not in ("auto", "system", "jemalloc"):
+        raise typer.BadParameter("use auto, system or jemalloc", param_hint="--allocator")
+    if allocator != "system":
+        _reexec_with_jemalloc(required=allocator == "jemalloc")
+    if compile not in (None, "auto", "on", "off"):
+        raise typer.BadParameter("use auto, on or off", param_hint="--compile")
+    import uvicorn
+
+    import logging
+    handler = logging.StreamHandler()  # the server's own lines (the compile's progress) beside uvicorn's
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    logging.getLogger("linstream").addHandler(handler)
+    logging.getLogger("linstream").setLevel(log_level.upper())
+
+    from server.app import create_app
+    from server.connections import fd_headroom, protocol
+    from server.settings import Settings
+    given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
+             "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl,
+             "max_connections": max_connections, "names": name, "device": device, "dtype": dtype, "weights": weights,
+             "compile": compile,
+             "prefix_cache_bytes": prefix_cache_bytes, "prefix_cache_shared": prefix_cache_shared}
+    settings = Settings(**{k: v for k, v in given.items() if v is not None and v != []})
+    app = create_app(settings)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if not self.should_exit:
+                typer.echo(banner(app.state.runtime, settings))
+
+        def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: streams run on, then end cleanly
+            rt = getattr(app.state, "runtime", None)
+            if rt is not None:
+                rt.begin_drain()
+            super().handle_exit(sig, frame)
+
+    conns = fd_headroom(settings.max_connections)
+    Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
+                          http=protocol(settings.header_timeout, conns, settings.max_header_bytes), timeout_keep_alive=settings.keep_alive_timeout,
+                          timeout_graceful_shutdown=settings.graceful_shutdown_s)).run()
+
+
+def banner(rt, settings) -> str:
+    """What `serve` prints once it listens: one line per model, the store, where the docs are."""
+    import re
+    lines = []
+    for i, (name, e) in enumerate(rt.engines.items()):
+        mixers = "+".join(dict.fromkeys(e.model.cfg.layer_mixers))
+        state = f"{e.empty.row_nbytes(0) / 1024:.1f} KiB state per session"
+        if e.kv:
+            state += " + a KV cache growing with its context"
+        lines.append(f"model {name}{' (default)' if i == 0 else ''}: {e.model.num_params() / 1e6:.2f}M parameters, "
+                     f"mixer {mixers}, {state}")
+    store = re.sub(r"//[^/@]*@", "//***@", settings.store)  # no password in the log
+    lines.append(f"store {store}" + (" (sessions last only as long as this process)" if store == "memory" else ""))
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    lines.append(f"API docs: http://{host}:{settings.port}/docs")
+    return "\n".join(lines)
+
+
+def _reexec_with_jemalloc(required: bool):
+    """Run this same command again with libjemalloc preloaded: an allocator cannot be swapped
+    once the process has started, and glibc's keeps freed decode buffers (README "Soak").
+    Without the library: an error if it was asked for by name, else go on with glibc's."""
+    import ctypes.util
+    import os
+    import sys
+    preload = os.environ.get("LD_PRELOAD", "")
+    if "jemalloc" in preload:
+        return  # already under it
+    lib = ctypes.util.find_library("jemalloc")
+    if lib is None:
+        if not required:
+            return
+        raise typer.BadParameter("libjemalloc not found (Debian: apt-get install libjemalloc2)", param_hint="--allocator")
+    env = {**os.environ, "LD_PRELOAD": " ".join(filter(None, [preload, lib]))}
+    os.execve(sys.executable, [sys.executable, "-m", "linstream", *sys.argv[1:]], env)
+
+
+def main():
+    """`serve` is registered above, at import, so it lists first; the client commands after it."""
+    _run()
