@@ -9,6 +9,8 @@ filters are vectorised over rows; only the one uniform draw per row comes from t
 the same tokens faster (issue 13: at 64 rows the full sort cost as much as the decode step):
 `logits_to_probs` gives the same probabilities bit for bit with numpy's sort, and rows without
 filters skip the sort altogether (`_draw_plain`). `benchmarks/sampling_bench.py` prints both.
+
+Shapes: B rows of the batch, V vocabulary; N the rows a helper is given (a subset of B).
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ stril does not): with u_t = beta_t (v_t - S_{t-1}^T k_t), S_t = S_0 + sum_{j<=t}
     (I + stril(diag(beta) K K^T)) U = diag(beta) (V - K S_0)
     O = Q S_0 + tril(Q K^T) U,   S_L = S_0 + K^T U
 and the unit lower-triangular system is one triangular solve per chunk (the UT transform).
-The reference is `naive.delta_rule_naive`.
+Shapes: B batch, T time, H heads, K key dim, V value dim, L the chunk's length.
+The reference is `naive.delta_rule_naive`; tests/model/test_fla.py holds both forms to it.
 """
 from __future__ import annotations
 
