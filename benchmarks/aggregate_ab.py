@@ -20,8 +20,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.request_path import _warm, cycles  # noqa: E402
-from harness.local_server import LocalServer  # noqa: E402
 from clients.sdk import Client  # noqa: E402
+from harness.local_server import LocalServer  # noqa: E402
 
 
 def compiled(url: str, model: str, timeout: float = 300) -> None:
