@@ -11,16 +11,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from model import sampling
+from model import WEIGHTS, sampling
 from model.generate import decode, prefill
 from model.hf import load_checkpoint
 from model.sampling import SamplingParams, reference_probs, sample
 
-WEIGHTS = Path(__file__).resolve().parent.parent / "model" / "weights"
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 SETTINGS = {  # name -> SamplingParams fields
     "greedy": dict(temperature=0.0),

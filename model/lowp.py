@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-WEIGHTS = ("float32", "int8")
+WEIGHT_FORMATS = ("float32", "int8")  # how projections are stored: --weights (model.WEIGHTS is the checkpoints)
 K_MULTIPLE = 16  # the kernel's input widths
 
 
@@ -62,8 +62,8 @@ def to_weights(model: nn.Module, weights: str) -> nn.Module:
     The embedding stays float32 even where the head is tied to it: the head gets its own int8 copy.
     The fingerprint is the float32 checkpoint's, taken first (as load_checkpoint does before a cast):
     a snapshot moves between servers of one checkpoint and continues within int8's tolerance."""
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights {weights!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
     if weights == "float32":
         return model
     getattr(model, "fingerprint", None)
