@@ -15,7 +15,7 @@ import time
 import torch
 
 from model import WEIGHTS, sampling
-from model.generate import decode, prefill
+from model.generate import decode_one_token, prefill
 from model.hf import load_checkpoint
 from model.sampling import SamplingParams, reference_probs, sample
 
@@ -54,7 +54,7 @@ def real_logits(name: str, rows: int, steps: int) -> torch.Tensor:
     gens = [p.generator() for p in params]
     for _ in range(steps):
         out.append(logits.clone())
-        logits, pool = decode(model, sample(logits, params, gens), pool)
+        logits, pool = decode_one_token(model, sample(logits, params, gens), pool)
     return torch.cat(out)
 
 
