@@ -11,11 +11,8 @@ Length" (sec. 3, the chunkwise WY/UT form), as fla's DeltaNet layer computes it.
     S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
     o_t = S_t^T q_t / sqrt(K)
     y_t = (RMSNorm_h(o_t) [* silu(x W_g)]) W_O                           the gate only if use_gate
-Chunked form, chunk of L tokens from S_0 (rows of K, V, Q are tokens; tril includes the diagonal,
-stril does not): with u_t = beta_t (v_t - S_{t-1}^T k_t), S_t = S_0 + sum_{j<=t} k_j u_j^T, so
-    (I + stril(diag(beta) K K^T)) U = diag(beta) (V - K S_0)
-    O = Q S_0 + tril(Q K^T) U,   S_L = S_0 + K^T U
-and the unit lower-triangular system is one triangular solve per chunk (the UT transform).
+The delta rule, its chunked (UT transform) form and its step are model/ops/delta_rule.py; the
+reference is model/ops/naive.py's delta_rule_naive (tests: tests/model/test_fla.py).
 The block (norms, SwiGLU MLP) is fla_common.FlaBlock.
 """
 from __future__ import annotations

@@ -10,8 +10,8 @@ V = value_dim / H, key_dim = expand_k * D, value_dim = expand_v * D):
     o_t = (q_t / sqrt(K)) S_t
     y_t = (RMSNorm_h(o_t) * silu(x W_r)) W_O                 the output gate only if use_output_gate
 With num_kv_heads < num_heads, k, v and g are shared by groups of num_heads / num_kv_heads
-consecutive heads (grouped-query). The recurrence is linstream's own GLA kernels (gla.py: the
-token loop, the chunked form, the one-token step); this file maps fla's projections onto them.
+consecutive heads (grouped-query). The recurrence is linstream's own GLA kernels (model/ops/gated_attn.py:
+the chunked form and the step; the reference is model/ops/naive.py's gated_attn_naive); this file maps fla's projections onto them.
 The block (norms, SwiGLU MLP) is fla_common.FlaBlock.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ it: GLA's layer (fla_gla.py: projections, optional short convolutions, grouped k
 map, output norm and gate) with two differences,
     gamma_h = 1 - 2^(-5 - h), h = 0..H-1              a fixed decay per head instead of a learned gate
     q, k rotated by their position (rotary, half-split, base 10000, over the key head dim)
-so  S_t = gamma_h S_{t-1} + k_t^T v_t,  o_t = (q_t / sqrt(K)) S_t  (the inclusive form of gla.py's
+so  S_t = gamma_h S_{t-1} + k_t^T v_t,  o_t = (q_t / sqrt(K)) S_t  (the inclusive form of model/ops/gated_attn.py's
 kernels with g = log gamma_h on every key channel). The rotation reads each row's position, so a
 session's state is only S (and the conv tail): the position travels in the State.
 """

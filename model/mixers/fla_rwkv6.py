@@ -9,7 +9,7 @@ With x' = attn_norm(x) (LayerNorm) and d_t = x'_{t-1} - x'_t (the token shift, x
     log-decay g_t = -exp(w_t)  (per key channel);  bonus u (H, K)
     o_t = r_t (S_{t-1} + diag(u) k_t^T v_t);   S_t = diag(e^{g_t}) S_{t-1} + k_t^T v_t     (no 1/sqrt(K))
     a = (GroupNorm_h(o) * silu(g)) W_o                     LayerNorm per head, weight and bias
-The recurrence is the exclusive form of linstream's gated kernels (gla.py). Then the channel mix,
+The recurrence is the exclusive form of linstream's gated kernels (model/ops/gated_attn.py; reference naive.gated_attn_naive). Then the channel mix,
 with f' = ffn_norm(x + a) and its own token shift e_t = f'_{t-1} - f'_t:
     y = x + a + sigmoid((f' + e mu_r) W_r) * (relu((f' + e mu_k) W_k)^2 W_v)
 The first block also layer-normalises the embeddings (`pre_norm`, fla's norm_first: the mixer
