@@ -1,5 +1,5 @@
 """flash-linear-attention (fla) layout checkpoints against fla's own model: tiny random
-GLAForCausalLM / DeltaNetForCausalLM / RetNetForCausalLM / RWKV6ForCausalLM checkpoints made with fla's classes, and fla's logits and
+GLAForCausalLM / DeltaNetForCausalLM / RetNetForCausalLM / RWKV6ForCausalLM / RWKV7ForCausalLM checkpoints made with fla's classes, and fla's logits and
 greedy tokens for them (tests/fixtures/fla/make_fixtures.py says how; fla itself is not needed
 here). linstream must reproduce the logits through the chunked form and token by token, and the
 greedy tokens; its three forms must agree on outputs and states."""
@@ -35,7 +35,7 @@ def fixture(request):
 
 def test_fixtures_are_present():
     assert {"gla", "gla-options", "deltanet", "deltanet-options", "retnet", "retnet-options", "rwkv6",
-            "rwkv6-options"} <= set(NAMES)
+            "rwkv6-options", "rwkv7", "rwkv7-options"} <= set(NAMES)
 
 
 @torch.no_grad()
@@ -146,6 +146,10 @@ def _with_config(tmp_path, name, **changes):
     ("deltanet", {"expand_k": 0.3}, "expand_k"),
     ("rwkv6", {"hidden_act": "swish"}, "hidden_act"),
     ("rwkv6", {"norm_bias": False}, "norm_bias"),
+    ("rwkv7", {"norm_bias": False}, "norm_bias"),
+    ("rwkv7", {"value_dim": [64, 64]}, "value_dim"),
+    ("rwkv7", {"num_heads": 3, "head_dim": None}, "num_heads"),
+    ("rwkv7", {"hidden_act": "swish"}, "hidden_act"),
 ])
 def test_unsupported_fla_options_are_named(tmp_path, name, changes, says):
     with pytest.raises(CheckpointError, match=says):
@@ -167,7 +171,7 @@ async def test_served_with_sessions_fork_and_restore():
 
     from server.app import create_app
     from server.settings import Settings
-    names, prompt = ["gla", "deltanet", "rwkv6"], "ROMEO:\nBut soft"
+    names, prompt = ["gla", "deltanet", "rwkv6", "rwkv7"], "ROMEO:\nBut soft"
     app = create_app(Settings(models=[str(FIXTURES / n) for n in names], max_sessions=8))
     gen = {"stream": False, "temperature": 0, "max_tokens": 12}
     async with app.router.lifespan_context(app):
