@@ -214,17 +214,21 @@ def test_rwkv7_transition_reads_the_state_before_its_decay():
     close(Sc, want)
 
 
-def test_rwkv7_chunked_is_finite_under_long_fast_decay():
-    """Over 2 K tokens at fla's fastest decay (-0.6065 per token) and beyond, the chunked form stays
-    finite and matches the token loop."""
+def test_rwkv7_chunked_is_exact_at_the_fastest_decay_and_refuses_beyond_float32():
+    """Over 2 K tokens at fla's fastest RWKV-7 decay (-0.6065 per token) in 64-token chunks (e^39 inside
+    a chunk's factors) the chunked form stays finite and matches the token loop; decays whose chunk
+    total leaves float32's exponent range are refused, not answered with inf/NaN."""
     g = gen()
-    q, w, k, v, a, b = rwkv7_inputs(g, 1, 2, 2048, 4, 3, logd_floor=-5.0)
-    S0 = torch.zeros(1, 2, 4, 3)
-    o, S = rwkv7_chunked(q, w, k, v, a, b, S0)
+    q, w, k, v, a, b = rwkv7_inputs(g, 1, 2, 2048, 4, 3)
+    w[..., ::3, :] = -0.6065  # the floor itself, often
+    S0 = torch.randn(1, 2, 4, 3, generator=g)
+    o, S = rwkv7_chunked(q, w, k, v, a, b, S0, True, 64)
     assert torch.isfinite(o).all() and torch.isfinite(S).all()
     on, Sn = rwkv7_naive(q, w, k, v, a, b, S0)
     close(o, on)
     close(S, Sn)
+    with pytest.raises(ValueError, match="float32"):
+        rwkv7_chunked(q, w * 10, k, v, a, b, S0, True, 16)
 
 
 @pytest.mark.parametrize("T", [0, 1, 9])
