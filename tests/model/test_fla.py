@@ -1,8 +1,9 @@
 """flash-linear-attention (fla) layout checkpoints against fla's own model: tiny random
 GLAForCausalLM / DeltaNetForCausalLM / RetNetForCausalLM / RWKV6ForCausalLM / RWKV7ForCausalLM
 checkpoints made with fla's classes, and fla's logits and greedy tokens for them
-(tests/fixtures/fla/make_fixtures.py says how; fla itself is not needed here). linstream must reproduce the logits through the chunked form and token by token, and the
-greedy tokens; its three forms must agree on outputs and states."""
+(tests/fixtures/fla/make_fixtures.py says how; fla itself is not needed here). linstream must
+reproduce the logits through the chunked form and token by token, and the greedy tokens; its three
+forms must agree on outputs and states."""
 import json
 import shutil
 from pathlib import Path
