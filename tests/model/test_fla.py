@@ -197,3 +197,37 @@ async def test_served_with_sessions_fork_and_restore():
                 for other in (r.json(), fork):
                     again = (await c.post(f"/v1/sessions/{other['id']}/generate", json=gen)).json()
                     assert again["tokens"] == out["tokens"], name
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_rwkv7_compiled_step_equals_eager(tmp_path):
+    """The compiled decode step (model/compiled.py) through RWKV-7's block-to-block carry: its
+    logits and states from a carried state agree with the eager step (one compile, ~70 s here)."""
+    from model.compiled import Stepper, compiler_missing
+    if compiler_missing() is not None:
+        pytest.skip(compiler_missing())
+    model, _ = load_checkpoint(FIXTURES / "rwkv7-options")
+    tokens = load_file(str(FIXTURES / "rwkv7-options" / "reference.safetensors"))["tokens"]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        stepper = Stepper(model, "on", cache_dir=tmp_path, background=False)
+        assert stepper.wait(), "the step did not compile"
+        ids = torch.cat([tokens, tokens.flip(1)])  # (2, T)
+        _, prefilled = model(ids[:, :20], model.init_state(2))
+        a = model.init_state(2)  # pool rows, as the server steps them (contiguous)
+        a.assign([0, 1], prefilled)
+        b, calls = a.clone(), []
+        compiled = stepper.compiled
+        stepper.compiled = lambda *args: calls.append(1) or compiled(*args)
+        for t in ids[:, 20:30].unbind(1):
+            got, a = stepper(t, a)
+            want, b = model.step(t, b)
+            assert (got - want).abs().max() < TOL
+        assert len(calls) == 10  # every step went through the compiled graph
+        for la, lb in zip(a.layers, b.layers):
+            for name in la:
+                assert (la[name] - lb[name]).abs().max() < TOL, name
+    finally:
+        torch.set_num_threads(n)
