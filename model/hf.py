@@ -9,6 +9,7 @@ imported model is an ordinary `LM`: sessions, snapshots, batching and stores nee
   GLAForCausalLM, DeltaNetForCausalLM,         mixers "fla-gla", "fla-deltanet", "fla-retnet", the whole
   RetNetForCausalLM (fla)                      block (norms, layer, SwiGLU MLP) under fla's own names
   RWKV6ForCausalLM (fla)                       mixer "fla-rwkv6", the whole block (time and channel mix)
+  RWKV7ForCausalLM (fla)                       mixer "fla-rwkv7", the whole block; block 0 hands its values on
 `load_checkpoint` is the one entry point: it also loads linstream's own checkpoints.
 """
 from __future__ import annotations
@@ -166,7 +167,7 @@ def _hf_config(hf: dict) -> ModelConfig:
         return _fla_config(arch, hf)
     raise CheckpointError(f"architecture {arch!r} is not supported; linstream serves MambaForCausalLM, "
                           "FalconMambaForCausalLM, Mamba2ForCausalLM, RwkvForCausalLM, GLAForCausalLM, "
-                          "DeltaNetForCausalLM, RetNetForCausalLM and RWKV6ForCausalLM checkpoints")
+                          "DeltaNetForCausalLM, RetNetForCausalLM, RWKV6ForCausalLM and RWKV7ForCausalLM checkpoints")
 
 
 # fla's layers: mixer name, the config.json options each computes with fla's defaults, the block's
@@ -188,6 +189,11 @@ _FLA = {
     "RWKV6ForCausalLM": ("fla-rwkv6", {
         "expand_k": 0.5, "expand_v": 1.0, "proj_low_rank_dim": 32, "gate_low_rank_dim": 64},
         "sqrelu", 1e-5, 3.5, 16),
+    # (value_dim and the heads are resolved in _rwkv7_options)
+    "RWKV7ForCausalLM": ("fla-rwkv7", {
+        "decay_low_rank_dim": 64, "gate_low_rank_dim": 128, "a_low_rank_dim": 64, "v_low_rank_dim": 16,
+        "norm_first": True},
+        "sqrelu", 1e-5, 4, 16),
 }
 _FLA_CHOICES = {"feature_map": (None, "relu", "sigmoid", "swish", "silu"),
                 "qk_activation": ("silu", "relu", "elu", "identity"), "qk_norm": ("l2", "sum")}
@@ -195,10 +201,13 @@ _FLA_CHOICES = {"feature_map": (None, "relu", "sigmoid", "swish", "silu"),
 
 def _fla_config(arch: str, hf: dict) -> ModelConfig:
     """flash-linear-attention's checkpoints: every block is attn_norm + layer + its norm + MLP (GLA,
-    DeltaNet: model/mixers/fla_common.py; RWKV-6: fla_rwkv6.py); the options below are the layer's."""
+    DeltaNet: model/mixers/fla_common.py; RWKV-6, RWKV-7: fla_rwkv6.py, fla_rwkv7.py); the options below
+    are the layer's."""
     mixer, defaults, act, eps, ratio, chunk = _FLA[arch]
-    d, heads, n = hf["hidden_size"], hf["num_heads"], hf["num_hidden_layers"]
+    d, heads, n = hf["hidden_size"], hf.get("num_heads"), hf["num_hidden_layers"]
     opts = {k: hf.get(k, v) for k, v in defaults.items()}
+    if arch == "RWKV7ForCausalLM":
+        heads = _rwkv7_options(hf, opts)
     if "elementwise_affine" in opts:  # fla keeps no weight for None either
         opts["elementwise_affine"] = bool(opts["elementwise_affine"])
     if hf.get("attn") or hf.get("attnres_block_size"):
@@ -206,7 +215,7 @@ def _fla_config(arch: str, hf: dict) -> ModelConfig:
                               "(attnres_block_size) is not supported")
     if hf.get("hidden_act", act) != act:
         raise CheckpointError(f"{arch} with hidden_act {hf['hidden_act']!r}: only {act} is implemented")
-    if arch == "RWKV6ForCausalLM" and not hf.get("norm_bias", True):
+    if arch in ("RWKV6ForCausalLM", "RWKV7ForCausalLM") and not hf.get("norm_bias", True):
         raise CheckpointError(f"{arch} with norm_bias false: only LayerNorms with a bias are implemented")
     for k, allowed in _FLA_CHOICES.items():
         if k in opts and opts[k] not in allowed:
@@ -216,7 +225,7 @@ def _fla_config(arch: str, hf: dict) -> ModelConfig:
         raise CheckpointError(f"{arch}: num_heads ({heads!r}) and num_kv_heads ({kv!r}) must be positive integers")
     if opts.get("use_short_conv") and not (isinstance(hf.get("conv_size", 4), int) and hf.get("conv_size", 4) >= 2):
         raise CheckpointError(f"{arch}: conv_size {hf.get('conv_size')!r}; short convolutions need at least 2")
-    for k in ("expand_k", "expand_v"):
+    for k in ("expand_k", "expand_v") if "expand_k" in opts else ():
         width = d * opts[k]
         if not float(width).is_integer() or int(width) % heads or heads % kv:
             raise CheckpointError(f"{arch}: hidden_size * {k} ({width}) must be a whole multiple of num_heads "
@@ -227,6 +236,9 @@ def _fla_config(arch: str, hf: dict) -> ModelConfig:
         first = "fla-rwkv6-in" if hf.get("norm_first", True) else mixer
         layers, norm = (first,) + (mixer,) * (n - 1), "layer"
         ffn = ffn_width(d, hf.get("hidden_ratio", ratio), hf.get("intermediate_size"))
+    elif arch == "RWKV7ForCausalLM":
+        layers, norm = ("fla-rwkv7-in",) + (mixer,) * (n - 1), "layer"
+        ffn = ffn_width(d, hf.get("hidden_ratio") or ratio, hf.get("intermediate_size"))
     else:
         layers, norm = (), "rms"
         ffn = mlp_width(d, hf.get("hidden_ratio", ratio), hf.get("intermediate_size"))
@@ -234,6 +246,31 @@ def _fla_config(arch: str, hf: dict) -> ModelConfig:
         vocab_size=hf["vocab_size"], d_model=d, n_layer=n, mixer=mixer, layers=layers, mlp_ratio=0,
         n_head=heads, conv_kernel=hf.get("conv_size", 4), norm=norm, norm_eps=hf.get("norm_eps", eps),
         tie_embeddings=hf.get("tie_word_embeddings", False), chunk_size=chunk, d_ffn=ffn, mixer_options=opts)
+
+
+def _rwkv7_options(hf: dict, opts: dict) -> int:
+    """RWKV-7's heads (num_heads, else hidden_size / head_dim) and its value width, hidden_size in
+    every layer (block 0's values are mixed into every later block's, so all layers share one width);
+    value_dim goes into opts. Returns the number of heads."""
+    d, n = hf["hidden_size"], hf["num_hidden_layers"]
+    head_dim = hf.get("head_dim")
+    heads = hf.get("num_heads") or (d // head_dim if isinstance(head_dim, int) and head_dim > 0 else None)
+    if not isinstance(heads, int) or heads <= 0 or d % heads or (head_dim and head_dim * heads != d):
+        raise CheckpointError(f"RWKV7ForCausalLM: num_heads ({hf.get('num_heads')!r}) and head_dim ({head_dim!r}) "
+                              f"must split hidden_size ({d}) into whole heads")
+    vd = hf.get("value_dim") or d
+    widths = set(vd) if isinstance(vd, list) else {vd}
+    if len(widths) != 1 or (isinstance(vd, list) and len(vd) != n):
+        raise CheckpointError(f"RWKV7ForCausalLM with value_dim {vd!r}: one width for all {n} layers is implemented")
+    (val,) = widths
+    if val != d:  # fla 0.6.0's own classes cannot build one (their initialiser fails): nothing to check against
+        raise CheckpointError(f"RWKV7ForCausalLM with value_dim {val!r}: only value_dim = hidden_size ({d}) "
+                              "is implemented")
+    for k in ("decay_low_rank_dim", "gate_low_rank_dim", "a_low_rank_dim", "v_low_rank_dim"):
+        if not (isinstance(opts[k], int) and opts[k] > 0):
+            raise CheckpointError(f"RWKV7ForCausalLM with {k} {opts[k]!r}: a positive rank is needed")
+    opts["value_dim"] = val
+    return heads
 
 
 # transformers' key -> linstream's, per architecture: (pattern, replacement), first match wins
@@ -251,7 +288,8 @@ _KEYS = {
 }
 _KEYS["FalconMambaForCausalLM"] = _KEYS["Mamba2ForCausalLM"] = _KEYS["MambaForCausalLM"]
 # fla: the block keeps fla's names under the mixer (model/mixers/fla_common.py)
-_KEYS["GLAForCausalLM"] = _KEYS["DeltaNetForCausalLM"] = _KEYS["RetNetForCausalLM"] = _KEYS["RWKV6ForCausalLM"] = [
+_KEYS["GLAForCausalLM"] = _KEYS["DeltaNetForCausalLM"] = _KEYS["RetNetForCausalLM"] = _KEYS["RWKV6ForCausalLM"] = \
+    _KEYS["RWKV7ForCausalLM"] = [
     (r"model\.embeddings\.", "embed."), (r"model\.norm\.", "norm."), (r"lm_head\.", "head."),
     (r"model\.layers\.(\d+)\.", r"blocks.\1.mixer.")]
 

@@ -51,11 +51,16 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp_ratio else None
         self.mlp = MLP(cfg.d_model, cfg.mlp_ratio) if cfg.mlp_ratio else None
 
-    def forward(self, x, state, pos, form: str):
-        # x (B, T, D) for 'forward' and 'naive', (B, D) for 'step'; y has x's shape
-        y, state = getattr(self.mixer, form)(x if self.norm1 is None else self.norm1(x), state, pos)
+    def forward(self, x, state, pos, form: str, carry=None):
+        """-> (x, state, carry): carry is what a `carries` mixer hands the next block (None otherwise).
+        x (B, T, D) for 'forward' and 'naive', (B, D) for 'step'; the output has x's shape."""
+        run, h = getattr(self.mixer, form), x if self.norm1 is None else self.norm1(x)
+        if getattr(self.mixer, "carries", False):
+            y, state, carry = run(h, state, pos, carry=carry)
+        else:
+            y, state = run(h, state, pos)
         x = x + y
-        return (x if self.mlp is None else x + self.mlp(self.norm2(x))), state  # x's shape
+        return (x if self.mlp is None else x + self.mlp(self.norm2(x))), state, carry  # x's shape
 
 
 class LM(nn.Module):
@@ -96,9 +101,9 @@ class LM(nn.Module):
         With state=None the pass starts from zero and returns no state (training)."""
         x = self.embed(tokens.to(self.embed.weight.device))  # (B, T, D)
         pos = None if state is None else state.position  # (B,) each row's position before these tokens
-        new = []
+        new, carry = [], None  # carry: within these tokens, from block to block (model/mixers/__init__.py)
         for i, block in enumerate(self.blocks):
-            x, s = block(x, None if state is None else state.layers[i], pos, form)  # (B, T, D)
+            x, s, carry = block(x, None if state is None else state.layers[i], pos, form, carry)  # (B, T, D)
             new.append(s)
         logits = self.head(self.norm(x)).float()  # (B, T, V); sampled in float32 whatever the weights
         if state is None:
@@ -118,9 +123,9 @@ class LM(nn.Module):
     def step_layers(self, tokens: Tensor, layers: list[dict[str, Tensor]], position: Tensor):
         """`step` on plain tensors: (logits (B, V) float32, new layers). What model/compiled.py compiles."""
         x = self.embed(tokens.to(self.embed.weight.device))  # (B, D)
-        new = []
+        new, carry = [], None
         for block, layer in zip(self.blocks, layers):
-            x, s = block(x, layer, position, "step")  # (B, D)
+            x, s, carry = block(x, layer, position, "step", carry)  # (B, D)
             new.append(s)
         return self.head(self.norm(x)).float(), new  # (B, V)
 

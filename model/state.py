@@ -14,6 +14,8 @@ Mamba-2, A = RWKV-4 attention width, C capacity of a KV cache (>= position):
   fla-gla, fla-deltanet, fla-retnet   S (B, H, Kh, Vh), conv (B, W-1, Cq + Ck + Cv) (only with short convolutions)
              constant size; Kh, Vh the layer's head dims, Cq, Ck, Cv its q/k/v projection widths
   fla-rwkv6  S (B, H, Kh, Vh), attn_shift, ffn_shift (B, D)     constant size
+  fla-rwkv7  S (B, H, Kh, Vh), attn_shift, ffn_shift (B, D)     constant size (block 0's values, v_first,
+             pass between blocks within a token and are not state)
   softmax    k, v (B, H, C, K) KV cache, conv (B, W-1, 3D)       grows with position
 plus position (B,) int64 and next_logits (B, V): the model's prediction after the last consumed
 token, which the next generated token is sampled from. Snapshot = `to_bytes` (safetensors, never pickle); restore = `from_bytes`.

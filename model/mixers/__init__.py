@@ -10,6 +10,8 @@ Every mixer is an `nn.Module` with
 `pos` (B,) int64 is each row's position before these tokens; only position-aware mixers read it.
 `owns_norms = True`: the mixer is the whole block, norms included (RWKV-4); the LM adds its output
 to the residual stream and applies no norm before it.
+`carries = True`: the forms also take `carry=` and return (y, state, carry), a value one block
+hands the next within the same tokens (RWKV-7's first-block values, fla_rwkv7.py); no state.
 `time_dims` names state tensors that grow with the sequence (the KV cache) and the dim they grow on.
 
 Each file's docstring cites its paper, writes the recurrence out and names its kernels in
@@ -39,5 +41,5 @@ def build_mixer(name: str, cfg) -> nn.Module:
 
 
 # registration side effect
-from . import fla_deltanet, fla_gla, fla_retnet, fla_rwkv6  # noqa: E402,F401
+from . import fla_deltanet, fla_gla, fla_retnet, fla_rwkv6, fla_rwkv7  # noqa: E402,F401
 from . import gla, linear, mamba, mamba2, performer, retnet, rwkv, rwkv4, softmax  # noqa: E402,F401

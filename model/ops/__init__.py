@@ -11,6 +11,7 @@ from the papers as float32 token loops that share no code with the forms they ch
     ssd.py             ssd_chunked, ssd_step                    Mamba-2's scalar-decay SSM (mamba2)                    test_ops
     wkv.py             wkv_chunked, wkv_step                    RWKV-4's WKV (rwkv4)                                   test_ops
     delta_rule.py      delta_rule_chunked, delta_rule_step      DeltaNet's delta rule (fla-deltanet)                   test_fla
+    rwkv7.py           rwkv7_chunked, rwkv7_step                RWKV-7's generalised delta rule (fla-rwkv7)            test_ops
     naive.py           <name>_naive for each of the above
 
 The attention-style ops keep fla's shape: `op_chunked(q, k, v, g, initial_state=None,

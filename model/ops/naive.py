@@ -185,3 +185,18 @@ def delta_rule_naive(q, k, v, beta, initial_state):
         S = (eye - bt * kt[..., :, None] * kt[..., None, :]) @ S + bt * kt[..., :, None] * v[:, :, t, None, :]
         out.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], S))
     return (torch.stack(out, 2) if out else v[:, :, :0]), S
+
+
+def rwkv7_naive(q, w, k, v, a, b, initial_state):
+    """RWKV-7's state evolution (Peng et al. 2025, sec. 4: S_t = S_{t-1} (diag(w_t) + a_t^T b_t) + v_t^T k_t
+    in the paper's (V, K) orientation), written here for S (K, V) with an explicit transition matrix:
+        G_t = diag(e^{w_t}) + b_t a_t^T  (K, K),   S_t = G_t S_{t-1} + k_t v_t^T,   o_t = S_t^T q_t
+    q, w, k, a, b (B, H, T, K); v (B, H, T, V); initial_state (B, H, K, V). Returns o (B, H, T, V) and S."""
+    q, w, k, v, a, b = (t.float() for t in (q, w, k, v, a, b))
+    S = initial_state.float().clone()
+    out = []
+    for t in range(q.shape[2]):
+        G = torch.diag_embed(w[:, :, t].exp()) + b[:, :, t, :, None] * a[:, :, t, None, :]  # (B, H, K, K)
+        S = G @ S + k[:, :, t, :, None] * v[:, :, t, None, :]
+        out.append((S * q[:, :, t, :, None]).sum(2))
+    return (torch.stack(out, 2) if out else v[:, :, :0]), S

@@ -1,8 +1,9 @@
 """flash-linear-attention (fla) layout checkpoints against fla's own model: tiny random
-GLAForCausalLM / DeltaNetForCausalLM / RetNetForCausalLM / RWKV6ForCausalLM checkpoints made with fla's classes, and fla's logits and
-greedy tokens for them (tests/fixtures/fla/make_fixtures.py says how; fla itself is not needed
-here). linstream must reproduce the logits through the chunked form and token by token, and the
-greedy tokens; its three forms must agree on outputs and states."""
+GLAForCausalLM / DeltaNetForCausalLM / RetNetForCausalLM / RWKV6ForCausalLM / RWKV7ForCausalLM
+checkpoints made with fla's classes, and fla's logits and greedy tokens for them
+(tests/fixtures/fla/make_fixtures.py says how; fla itself is not needed here). linstream must
+reproduce the logits through the chunked form and token by token, and the greedy tokens; its three
+forms must agree on outputs and states."""
 import json
 import shutil
 from pathlib import Path
@@ -35,7 +36,7 @@ def fixture(request):
 
 def test_fixtures_are_present():
     assert {"gla", "gla-options", "deltanet", "deltanet-options", "retnet", "retnet-options", "rwkv6",
-            "rwkv6-options"} <= set(NAMES)
+            "rwkv6-options", "rwkv7", "rwkv7-options"} <= set(NAMES)
 
 
 @torch.no_grad()
@@ -146,6 +147,10 @@ def _with_config(tmp_path, name, **changes):
     ("deltanet", {"expand_k": 0.3}, "expand_k"),
     ("rwkv6", {"hidden_act": "swish"}, "hidden_act"),
     ("rwkv6", {"norm_bias": False}, "norm_bias"),
+    ("rwkv7", {"norm_bias": False}, "norm_bias"),
+    ("rwkv7", {"value_dim": [64, 64]}, "value_dim"),
+    ("rwkv7", {"num_heads": 3, "head_dim": None}, "num_heads"),
+    ("rwkv7", {"hidden_act": "swish"}, "hidden_act"),
 ])
 def test_unsupported_fla_options_are_named(tmp_path, name, changes, says):
     with pytest.raises(CheckpointError, match=says):
@@ -167,7 +172,7 @@ async def test_served_with_sessions_fork_and_restore():
 
     from server.app import create_app
     from server.settings import Settings
-    names, prompt = ["gla", "deltanet", "rwkv6"], "ROMEO:\nBut soft"
+    names, prompt = ["gla", "deltanet", "rwkv6", "rwkv7"], "ROMEO:\nBut soft"
     app = create_app(Settings(models=[str(FIXTURES / n) for n in names], max_sessions=8))
     gen = {"stream": False, "temperature": 0, "max_tokens": 12}
     async with app.router.lifespan_context(app):
@@ -192,3 +197,37 @@ async def test_served_with_sessions_fork_and_restore():
                 for other in (r.json(), fork):
                     again = (await c.post(f"/v1/sessions/{other['id']}/generate", json=gen)).json()
                     assert again["tokens"] == out["tokens"], name
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_rwkv7_compiled_step_equals_eager(tmp_path):
+    """The compiled decode step (model/compiled.py) through RWKV-7's block-to-block carry: its
+    logits and states from a carried state agree with the eager step (one compile, ~70 s here)."""
+    from model.compiled import Stepper, compiler_missing
+    if compiler_missing() is not None:
+        pytest.skip(compiler_missing())
+    model, _ = load_checkpoint(FIXTURES / "rwkv7-options")
+    tokens = load_file(str(FIXTURES / "rwkv7-options" / "reference.safetensors"))["tokens"]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        stepper = Stepper(model, "on", cache_dir=tmp_path, background=False)
+        assert stepper.wait(), "the step did not compile"
+        ids = torch.cat([tokens, tokens.flip(1)])  # (2, T)
+        _, prefilled = model(ids[:, :20], model.init_state(2))
+        a = model.init_state(2)  # pool rows, as the server steps them (contiguous)
+        a.assign([0, 1], prefilled)
+        b, calls = a.clone(), []
+        compiled = stepper.compiled
+        stepper.compiled = lambda *args: calls.append(1) or compiled(*args)
+        for t in ids[:, 20:30].unbind(1):
+            got, a = stepper(t, a)
+            want, b = model.step(t, b)
+            assert (got - want).abs().max() < TOL
+        assert len(calls) == 10  # every step went through the compiled graph
+        for la, lb in zip(a.layers, b.layers):
+            for name in la:
+                assert (la[name] - lb[name]).abs().max() < TOL, name
+    finally:
+        torch.set_num_threads(n)

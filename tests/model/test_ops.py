@@ -21,11 +21,13 @@ from model.ops.naive import (
     linear_attn_naive,
     linear_attn_noncausal_recurrent,
     rope_naive,
+    rwkv7_naive,
     selective_scan_naive,
     ssd_naive,
     wkv_naive,
 )
 from model.ops.rope import rope
+from model.ops.rwkv7 import rwkv7_chunked, rwkv7_step
 from model.ops.selective_scan import selective_scan, selective_scan_step
 from model.ops.ssd import ssd_chunked, ssd_step
 from model.ops.wkv import wkv_chunked, wkv_init, wkv_step
@@ -162,6 +164,71 @@ def test_gated_chunked_is_finite_under_extreme_gates():
     # with decay e^-20 every few tokens, the last 200 tokens alone determine the end of the sequence
     close(o[:, :, -100:], on[:, :, -100:])
     close(S, Sn)
+
+
+def rwkv7_inputs(g, B, H, T, K, V, logd_floor=-0.6065):
+    """RWKV-7's own ranges: decay in [floor, 0], a = -kk, b = kk * iclr with kk unit-norm, iclr in (0, 1)."""
+    q, k = torch.randn(B, H, T, K, generator=g), torch.randn(B, H, T, K, generator=g)
+    v = torch.randn(B, H, T, V, generator=g)
+    w = logd_floor * torch.rand(B, H, T, K, generator=g)
+    kk = torch.nn.functional.normalize(torch.randn(B, H, T, K, generator=g), dim=-1)
+    iclr = torch.rand(B, H, T, K, generator=g)
+    return q, w, k, v, -kk, kk * iclr
+
+
+@pytest.mark.parametrize("T,chunk", LENGTHS + [(37, 16)])
+@pytest.mark.parametrize("nonzero", [False, True])
+def test_rwkv7(T, chunk, nonzero):
+    g = gen()
+    B, H, K, V = 2, 3, 5, 4
+    q, w, k, v, a, b = rwkv7_inputs(g, B, H, T, K, V)
+    S0 = torch.randn(B, H, K, V, generator=g) if nonzero else torch.zeros(B, H, K, V)
+    on, Sn = rwkv7_naive(q, w, k, v, a, b, S0)
+    oc, Sc = rwkv7_chunked(q, w, k, v, a, b, S0, True, chunk)
+    S, os_ = S0.clone(), []
+    for t in range(T):
+        o, out = rwkv7_step(q[:, :, t], w[:, :, t], k[:, :, t], v[:, :, t], a[:, :, t], b[:, :, t], S)
+        assert out is S  # updated where it lies
+        os_.append(o)
+    close(oc, on)
+    if T:
+        close(torch.stack(os_, 2), on)
+    for s in (Sc, S):
+        close(s, Sn)
+
+
+def test_rwkv7_transition_reads_the_state_before_its_decay():
+    """With k = 0 one token maps S to (diag(e^w) + b a^T) S: the removal term reads the undecayed
+    state. A step that decayed first would give diag(e^w) (I + b a^T) S, which differs here."""
+    g = gen()
+    B, H, K, V = 1, 1, 3, 2
+    S0 = torch.randn(B, H, K, V, generator=g)
+    w = torch.tensor([-0.5, -0.1, 0.0]).view(1, 1, 1, K)
+    a, b = torch.tensor([1.0, 0.0, 0.0]).view(1, 1, 1, K), torch.tensor([0.0, 1.0, 0.0]).view(1, 1, 1, K)
+    zk, q = torch.zeros(1, 1, 1, K), torch.randn(1, 1, 1, K, generator=g)
+    _, S = rwkv7_naive(q, w, zk, torch.zeros(1, 1, 1, V), a, b, S0)
+    want = S0.clone() * w[0, 0, 0].exp()[:, None]
+    want[..., 1, :] += S0[..., 0, :]  # b a^T S0: row 0 of S0 into row 1, undecayed
+    close(S, want)
+    _, Sc = rwkv7_chunked(q, w, zk, torch.zeros(1, 1, 1, V), a, b, S0)
+    close(Sc, want)
+
+
+def test_rwkv7_chunked_is_exact_at_the_fastest_decay_and_refuses_beyond_float32():
+    """Over 2 K tokens at fla's fastest RWKV-7 decay (-0.6065 per token) in 64-token chunks (e^39 inside
+    a chunk's factors) the chunked form stays finite and matches the token loop; decays whose chunk
+    total leaves float32's exponent range are refused, not answered with inf/NaN."""
+    g = gen()
+    q, w, k, v, a, b = rwkv7_inputs(g, 1, 2, 2048, 4, 3)
+    w[..., ::3, :] = -0.6065  # the floor itself, often
+    S0 = torch.randn(1, 2, 4, 3, generator=g)
+    o, S = rwkv7_chunked(q, w, k, v, a, b, S0, True, 64)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    on, Sn = rwkv7_naive(q, w, k, v, a, b, S0)
+    close(o, on)
+    close(S, Sn)
+    with pytest.raises(ValueError, match="float32"):
+        rwkv7_chunked(q, w * 10, k, v, a, b, S0, True, 16)
 
 
 @pytest.mark.parametrize("T", [0, 1, 9])
