@@ -16,13 +16,6 @@ States live in one preallocated slot pool (`State` batched over slots); a sessio
 Each loop iteration runs queued commands (alloc/free/snapshot/restore), at most one prefill slice,
 then one batched decode step.
 
-The thread holds `turn` through each iteration. While the engine is idle (nothing queued, no
-stream decoding) a quick command (`call(fn, quick=True)`: alloc, release, read) or a short
-prefill runs at once on the caller's event loop under that same lock, instead of waking the
-engine thread and being woken back: on a small machine each hand-off costs a thread wake-up and a
-GIL exchange (~0.3-1 ms together, most of a short request's overhead beyond compute; see
-benchmarks/results/flames/). It is the same code on the same rows, one at a time either way.
-
 Prefill slices are bounded by time while streams decode: a slice adds its whole cost to every
 stream's next gap, so with generations running it is sized to cost about `prefill_share` of a
 decode iteration (both measured: an EMA of the iteration's seconds, and an EMA of the seconds per
@@ -66,7 +59,6 @@ log = logging.getLogger("linstream.engine")
 
 PREFILL_SHARE = 0.5  # a prefill slice costs about this fraction of a decode iteration while streams run
 MIN_SLICE = 16  # tokens: a smaller forward pass is mostly fixed cost
-INLINE_PREFILL = 16  # tokens: an idle engine's prefill up to this long runs on the caller's loop (~1 ms)
 EMA = 0.2  # weight of the newest measurement in the cost averages
 
 
@@ -146,7 +138,6 @@ class Engine:
         self.jobs: list[Job] = []
         self.texts: dict[int, TextStream] = {}  # id(job) -> its text so far
         self.cv = threading.Condition()
-        self.turn = threading.Lock()  # held through each iteration, and by work run inline (`_idle_turn`)
         self.outbox: dict[asyncio.AbstractEventLoop, list] = {}  # (fn, *args) per loop, until `_deliver`
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
@@ -165,16 +156,8 @@ class Engine:
         with self.cv:
             self.cv.notify()
 
-    async def call(self, fn: Callable[[], Any], quick: bool = False) -> Any:
-        """Run fn() on the engine thread between two iterations; its result or exception.
-        quick: fn takes well under a millisecond (a slot's alloc, release, read), so while the
-        engine is idle it runs at once on this thread instead (see the module docstring)."""
-        if quick and self._idle_turn():
-            try:
-                with torch.no_grad():
-                    return fn()
-            finally:
-                self.turn.release()
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn() on the engine thread between two iterations; its result or exception."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self.cv:
@@ -185,16 +168,6 @@ class Engine:
     async def prefill(self, slot: int, tokens: list[int], logprobs: int | None = None, read: bool = False) -> Prefill:
         loop = asyncio.get_running_loop()
         job = Prefill(slot, tokens, loop.create_future(), loop, logprobs, read=read)
-        if len(tokens) <= INLINE_PREFILL and not self.jobs and self._idle_turn():
-            try:  # the same slice the engine thread would run, whole (no stream waits on it)
-                with torch.no_grad():
-                    self.prefills.append(job)
-                    self._prefill_chunk(job)
-                    self._deliver()
-            finally:
-                self.turn.release()
-            await job.future
-            return job
         with self.cv:
             self.prefills.append(job)
             self.cv.notify()
@@ -205,15 +178,6 @@ class Engine:
         with self.cv:
             self.jobs.append(job)
             self.cv.notify()
-
-    def _idle_turn(self) -> bool:
-        """Take `turn` if the engine is idle (nothing queued, not in an iteration); whether taken."""
-        if self.cmds or self.prefills or not self.turn.acquire(blocking=False):
-            return False
-        if self.cmds or self.prefills:  # queued from another thread meanwhile: theirs goes first
-            self.turn.release()
-            return False
-        return True
 
     @property
     def queue_depth(self) -> int:
@@ -257,32 +221,27 @@ class Engine:
                     self.cv.wait(timeout=1.0)
                 if self.stopped:
                     return
-            with self.turn:
-                self._iterate()
-
-    def _iterate(self):
-        with self.cv:
-            cmds = list(self.cmds)
-            self.cmds.clear()
-        for fn, fut, loop in cmds:
+                cmds = list(self.cmds)
+                self.cmds.clear()
+            for fn, fut, loop in cmds:
+                try:
+                    res, err = fn(), None
+                except Exception as e:  # handed back to the awaiting handler
+                    res, err = None, e
+                self._post(loop, _settle, fut, res, err)
+            self._deliver()  # before a prefill slice, which may take a while
+            if self.prefills:
+                self._prefill_chunk(self.prefills[0])
+                self._deliver()
             try:
-                res, err = fn(), None
-            except Exception as e:  # handed back to the awaiting handler
-                res, err = None, e
-            self._post(loop, _settle, fut, res, err)
-        self._deliver()  # before a prefill slice, which may take a while
-        if self.prefills:
-            self._prefill_chunk(self.prefills[0])
+                t0 = time.perf_counter()
+                if self._decode():
+                    self.step_s = _ema(self.step_s, time.perf_counter() - t0)
+            except Exception as e:  # faults are contained per job in _step/_emit; this is a bug
+                log.exception("decode iteration failed; ending %d streams", len(self.jobs))
+                for j in list(self.jobs):
+                    self._fail(j, f"internal error: {type(e).__name__}: {e}")
             self._deliver()
-        try:
-            t0 = time.perf_counter()
-            if self._decode():
-                self.step_s = _ema(self.step_s, time.perf_counter() - t0)
-        except Exception as e:  # faults are contained per job in _step/_emit; this is a bug
-            log.exception("decode iteration failed; ending %d streams", len(self.jobs))
-            for j in list(self.jobs):
-                self._fail(j, f"internal error: {type(e).__name__}: {e}")
-        self._deliver()
 
     def _post(self, loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
         """Queue fn(*args) to run on `loop` at the next `_deliver` (engine thread only)."""

@@ -113,7 +113,7 @@ class Residency:
         if s.slot is not None:
             eng, slot = self.engines[s.model], s.slot
             s.slot = None
-            await eng.call(lambda: eng.release(slot), quick=True)
+            await eng.call(lambda: eng.release(slot))
         got = await self.records.read(s.id)
         if got is None:
             self.sessions.pop(s.id, None)
@@ -147,7 +147,7 @@ class Residency:
         An idle session is current in the store, so spilling it only drops its slot."""
         while True:
             try:
-                return await eng.call(lambda: eng.alloc(state), quick=True)
+                return await eng.call(lambda: eng.alloc(state))
             except RuntimeError:
                 pass
             idle = [s for s in self.sessions.values()  # a dirty session's state exists only in its slot
@@ -163,7 +163,7 @@ class Residency:
             def swap(slot=slot):  # in one engine call, so a concurrent request cannot take the freed slot
                 eng.release(slot)
                 return eng.alloc(state)
-            return await eng.call(swap, quick=True)
+            return await eng.call(swap)
 
     async def new(self, eng: Engine, owner: str, state: State | None = None, tokens=(), start: int = 0,
                   ephemeral: bool = False) -> Session:
@@ -179,7 +179,7 @@ class Residency:
         if s.slot is not None:
             eng, slot = self.engines[s.model], s.slot
             s.slot = None
-            await eng.call(lambda: eng.release(slot), quick=True)  # noqa: B023  (awaited at once)
+            await eng.call(lambda: eng.release(slot))  # noqa: B023  (awaited at once)
 
     # ---- writing ---------------------------------------------------------------------------
     async def persist(self, s: Session, state: State | None = None) -> None:
@@ -199,7 +199,7 @@ class Residency:
             return
         eng = self.engines[s.model]
         if state is None:
-            state = await eng.call(lambda: eng.read(s.slot), quick=True)
+            state = await eng.call(lambda: eng.read(s.slot))
         nbytes, covers = state.row_nbytes(), s.history_start + len(s.tokens)
         if nbytes <= INLINE_ENCODE:  # ~0.1-0.3 ms, mostly under the GIL: a worker thread would only add its hop
             why, blob = record_blob(state, eng.model.fingerprint, covers)
