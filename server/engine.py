@@ -383,12 +383,12 @@ class Engine:
                 go.append(j)
                 idx.append(i)
         if go:
-            self._emit(go, logits[idx], finite=True)
+            self._emit(go, logits[idx], checked=True)
 
-    def _emit(self, jobs: list[Job], logits: torch.Tensor, finite: bool = False):
+    def _emit(self, jobs: list[Job], logits: torch.Tensor, checked: bool = False):
         """Sample a token for each job from its row of logits and post its event.
-        finite: the rows are known to be finite (checked by the step that made them)."""
-        finite = [True] * len(jobs) if finite else torch.isfinite(logits).all(-1).tolist()
+        checked: the rows are known to be finite (the step that made them checked them)."""
+        finite = [True] * len(jobs) if checked else torch.isfinite(logits).all(-1).tolist()
         if not all(finite):  # a new job's held logits (restored or prefilled) can be bad too
             for j, ok in zip(jobs, finite):
                 if not ok:
