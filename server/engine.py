@@ -383,10 +383,12 @@ class Engine:
                 go.append(j)
                 idx.append(i)
         if go:
-            self._emit(go, logits[idx])
+            self._emit(go, logits[idx], checked=True)
 
-    def _emit(self, jobs: list[Job], logits: torch.Tensor):
-        finite = torch.isfinite(logits).all(-1).tolist()
+    def _emit(self, jobs: list[Job], logits: torch.Tensor, checked: bool = False):
+        """Sample a token for each job from its row of logits and post its event.
+        checked: the rows are known to be finite (the step that made them checked them)."""
+        finite = [True] * len(jobs) if checked else torch.isfinite(logits).all(-1).tolist()
         if not all(finite):  # a new job's held logits (restored or prefilled) can be bad too
             for j, ok in zip(jobs, finite):
                 if not ok:

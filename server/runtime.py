@@ -211,7 +211,7 @@ class Runtime:
             await self.reuse.cache_prompt(s, eng)
         ms = 1000 * (time.perf_counter() - t0)
         try:
-            await self.held.persist(s, job and job.state)
+            await self.held.persist(s, job and job.state, finite=job is not None)
         except StoreUnavailable as e:
             raise StoreUnavailable(f"{e}; the {len(ids)} tokens were applied: the session is at position {s.position} "
                                    "in this server's memory and is written to the store when it is back") from None
