@@ -41,8 +41,8 @@ async def sweep(held: Residency, records: Records, metrics: Metrics, ttl: float)
                 await records.forget(s.id)
             except StoreUnavailable:
                 break  # store down: expire on a later sweep
-            await held.drop(s)
-            metrics.expired.labels(s.model).inc()
+            metrics.expired.labels(s.model).inc()  # counted before it disappears: a reader who
+            await held.drop(s)  # sees it gone also sees it counted
 
 
 async def renew_leases(held: Residency, leases: Leases):
