@@ -34,6 +34,12 @@ def rms_norm(x, weight, eps):
     return (y if weight is None else y * weight.float()).to(x.dtype)
 
 
+def token_shift(x, last):
+    """x (B, T, D), last (B, D): the token before the first -> each token's predecessor minus the
+    token (RWKV's token shift, as fla computes its delta)."""
+    return torch.cat([last[:, None].to(x.dtype), x[:, :-1]], 1) - x  # (B, T, D)
+
+
 class Norm(nn.Module):
     """RMSNorm with an optional weight (fla's `elementwise_affine=False` keeps none)."""
 

@@ -24,6 +24,7 @@ from torch import nn
 from . import register
 from ..ops.gated_attn import gated_attn_chunked, gated_attn_step
 from ..ops.naive import gated_attn_naive
+from .fla_common import token_shift
 
 
 def ffn_width(d: int, ratio: float | None, size: int | None) -> int:
@@ -111,10 +112,6 @@ def _norm(d, cfg):
     return nn.LayerNorm(d, eps=cfg.norm_eps)
 
 
-def _shift(x, last):
-    """x (B, T, D), last (B, D) -> each token's predecessor minus the token (fla's delta)."""
-    return torch.cat([last[:, None].to(x.dtype), x[:, :-1]], 1) - x
-
 
 @register("fla-rwkv6")
 class FlaRWKV6(nn.Module):
@@ -142,11 +139,11 @@ class FlaRWKV6(nn.Module):
         """x (B, T, D) the residual stream -> (what the block adds to it, new state)."""
         x0 = self.pre_norm(x) if self.first else x
         h = self.attn_norm(x0)
-        r, k, v, g, gate = self.attn.inputs(h, _shift(h, state["attn_shift"]))
+        r, k, v, g, gate = self.attn.inputs(h, token_shift(h, state["attn_shift"]))
         o, S = recur(r, k, v, g, state["S"], self.attn.bonus.float())
         a = self.attn.out(o, gate)
         f = self.ffn_norm(x0 + a)
-        y = a + self.ffn(f, _shift(f, state["ffn_shift"]))
+        y = a + self.ffn(f, token_shift(f, state["ffn_shift"]))
         new = {"S": S, "attn_shift": h[:, -1].float(), "ffn_shift": f[:, -1].float()}
         return (x0 - x + y if self.first else y), new
 

@@ -31,6 +31,7 @@ from torch import nn
 from . import register
 from ..ops.naive import rwkv7_naive
 from ..ops.rwkv7 import rwkv7_chunked, rwkv7_step
+from .fla_common import token_shift
 
 LOG_DECAY_FLOOR = -math.exp(-0.5)  # fla's -0.6065306597126334: the fastest decay, e^-0.607 per token
 MIXES = ("r", "w", "k", "v", "a", "g")
@@ -102,10 +103,6 @@ class ChannelMix(nn.Module):
         return self.value(torch.relu(self.key(x + d * self.x_k)) ** 2)
 
 
-def _shift(x, last):
-    """x (B, T, D), last (B, D) -> each token's predecessor minus the token (fla's token_shift)."""
-    return torch.cat([last[:, None].to(x.dtype), x[:, :-1]], 1) - x
-
 
 @register("fla-rwkv7")
 class FlaRWKV7(nn.Module):
@@ -134,9 +131,9 @@ class FlaRWKV7(nn.Module):
         """x (B, T, D) the residual stream -> (what the block adds to it, new state, v_first)."""
         x0 = self.pre_norm(x) if hasattr(self, "pre_norm") else x
         h = self.attn_norm(x0)
-        a, S, v_first = self.attn(h, _shift(h, state["attn_shift"]), state["S"], v_first, recur)
+        a, S, v_first = self.attn(h, token_shift(h, state["attn_shift"]), state["S"], v_first, recur)
         f = self.ffn_norm(x0 + a)
-        y = x0 - x + a + self.ffn(f, _shift(f, state["ffn_shift"]))
+        y = x0 - x + a + self.ffn(f, token_shift(f, state["ffn_shift"]))
         return y, {"S": S, "attn_shift": h[:, -1].float(), "ffn_shift": f[:, -1].float()}, v_first
 
     def forward(self, x, state=None, pos=None, carry=None):
