@@ -3,6 +3,7 @@
     prefill_chunk(model, tokens, state)   -> logits (1, T, V), state     one pass of the chunked form
     prefill(model, tokens, state)         -> state (with next_logits)    the chunked form, in bounded pieces
     decode_one_token(step, tokens, state) -> logits (B, V), state        one batched step
+    prefill_by_steps(step, tokens, state) -> logits (1, T, V), state     a few tokens, one step each
     sample(logits, params, generators)    -> tokens (B,)                 model/sampling.py
     TextStream(tok, params).feed(token)   -> (text, finish or None)      token ids to text, and when to stop
 `Generation` is the single-session loop built from them (tests, benches); server/engine.py runs
@@ -52,6 +53,18 @@ def decode_one_token(step: LM | Stepper, tokens: Tensor, state: State,
         return step(tokens, state, rows)  # no_grad: the compiled graph's guards refuse inference mode
     with torch.inference_mode():
         return step.step(tokens, state)
+
+
+def prefill_by_steps(step: LM | Stepper, tokens: list[int], state: State,
+                     rows: list[int] | None = None) -> tuple[Tensor, State]:
+    """prefill_chunk's result for a few tokens, one decode step each: for a handful of tokens N
+    compiled steps cost less than one chunked pass. Logits (1, T, V) and a new state; `state` itself
+    is left as it was (the steps run on a copy). Agrees with the chunked form within float rounding."""
+    st, out = state.clone(), []
+    for t in tokens:
+        logits, st = decode_one_token(step, torch.tensor([int(t)]), st, rows)
+        out.append(logits)
+    return torch.stack(out, 1), st
 
 
 @torch.inference_mode()
