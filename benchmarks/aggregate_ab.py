@@ -13,26 +13,13 @@ import argparse
 import asyncio
 import statistics
 import sys
-import time
 from pathlib import Path
 
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.request_path import _warm, cycles  # noqa: E402
 from clients.sdk import Client  # noqa: E402
-from harness.local_server import LocalServer  # noqa: E402
-
-
-def compiled(url: str, model: str, timeout: float = 300) -> None:
-    """Wait until the server's decode step is compiled (it serves eagerly meanwhile)."""
-    t_end = time.time() + timeout
-    while time.time() < t_end:
-        models = httpx.get(f"{url}/v1/models").json()["data"]
-        if next(m for m in models if m["id"] == model).get("decode_step") in ("compiled", None):
-            return
-        time.sleep(1)
-    raise SystemExit(f"{url}: the decode step did not compile in {timeout} s")
+from harness.local_server import LocalServer, wait_compiled  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -52,7 +39,8 @@ def main(argv=None) -> None:
             servers[name] = LocalServer([a.model], env, "--store", "memory", cwd=repo)
             with Client(servers[name].url, timeout=120) as c:
                 _warm(c, [a.model], 10)
-                compiled(servers[name].url, a.model)
+                if wait_compiled(servers[name].url).get(a.model) not in ("compiled", None):
+                    raise SystemExit(f"{servers[name].url}: the decode step did not compile")
         tps = {name: [] for name in servers}
         for r in range(a.rounds):
             for name, srv in (list(servers.items()) if r % 2 == 0 else list(servers.items())[::-1]):  # turns swap

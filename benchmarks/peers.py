@@ -28,7 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,7 +36,7 @@ import peers_hf  # noqa: E402
 import peers_http  # noqa: E402
 import peers_llama  # noqa: E402
 import peers_report  # noqa: E402
-from harness.local_server import LocalServer  # noqa: E402
+from harness.local_server import LocalServer, wait_compiled  # noqa: E402
 from clients.stats import pct  # noqa: E402
 from model.timing import state_at, time_steps  # noqa: E402  (the decode path linstream's engine uses)
 from model.compiled import Stepper  # noqa: E402
@@ -123,19 +122,6 @@ def llama_bias(tok: Tokenizer, eos: int) -> dict:
     return {"logit_bias": {str(i): -100.0 for i in range(tok.vocab_size) if i == eos or not whole(i)}}
 
 
-def wait_compiled(url: str, within: float = 300.0) -> None:
-    """A fresh server serves eagerly while its decode step compiles in the background (from the
-    on-disk cache the in-process run filled): measure what it serves with once that is done."""
-    deadline = time.time() + within
-    while time.time() < deadline:
-        steps = {m["id"]: m.get("decode_step") for m in httpx.get(url + "/v1/models").json()["data"]}
-        if "compiling" not in steps.values():
-            print(f"  linstream decode step: {steps}", flush=True)
-            return
-        time.sleep(0.5)
-    print("  linstream decode step still compiling; measuring anyway", flush=True)
-
-
 def over_http(a, gguf: Path, workdir: Path, levels: list[int], llama_error: str | None) -> dict:
     """Both servers up side by side, taking turns level by level, so that load from elsewhere on
     the machine does not fall on one system's whole series."""
@@ -148,7 +134,8 @@ def over_http(a, gguf: Path, workdir: Path, levels: list[int], llama_error: str 
            "llama_cpp_forbidden_tokens": len(extra["logit_bias"])}
     store = ["--store", f"disk:{workdir / 'store'}"]  # the default kind of store, somewhere disposable
     lin, llama = LocalServer(["mamba"], None, *store, *a.serve_arg, threads=1), None
-    wait_compiled(lin.url)
+    steps = wait_compiled(lin.url)  # measure what it serves with once the compile is done
+    print(f"  linstream decode step: {steps}", flush=True)
     try:
         if llama_error is None:
             try:

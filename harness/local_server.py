@@ -23,6 +23,18 @@ def wait_until_up(proc: subprocess.Popen, url: str, within: float) -> bool:
     return False
 
 
+def wait_compiled(url: str, within: float = 300.0) -> dict:
+    """Poll `url`/v1/models until no model's decode step is still compiling (a fresh server serves
+    eagerly while it compiles in the background) or `within` seconds pass: each model's
+    `decode_step` (compiled | compiling | eager)."""
+    deadline = time.time() + within
+    while True:
+        steps = {m["id"]: m.get("decode_step") for m in httpx.get(url + "/v1/models").json()["data"]}
+        if "compiling" not in steps.values() or time.time() >= deadline:
+            return steps
+        time.sleep(0.5)
+
+
 def stop_process(proc: subprocess.Popen, grace: float = 30) -> None:
     """SIGTERM, then SIGKILL if it has not exited within `grace` seconds."""
     proc.terminate()
