@@ -17,6 +17,9 @@ Inductor keeps a few matmuls out of the template (mamba's 32-wide x_proj goes to
 linear, also row-exact); where a matmul has no template at all (one between two activations, as
 in performer and rwkv) the step compiles with the BLAS instead (LEGACY) and small batches are padded
 to 4 rows, from which MKL's rows are exact.
+The step is built with inductor's C++ wrapper (cpp_wrapper): one C++ call per step, which
+releases the GIL for its whole length, so a server's event loop runs beside the step on another
+core instead of waiting for it (and the Python wrapper's per-kernel calls are gone).
 All this with one compute thread only: with more, the kernels split a batch's rows between
 threads by its size, and eager and compiled alike lose it. The eager path agrees with the compiled
 one, and with itself across batch sizes, within float tolerance only.
@@ -44,9 +47,10 @@ log = logging.getLogger("linstream.compiled")
 
 MIN_ROWS = 2  # a symbolic batch dim is specialised at 1: pad a single row to 2
 # inductor settings for the step: weights frozen into the graph (constants it can pack), and its
-# own GEMM template for every matmul (the BLAS's low bits depend on the batch size below 4 rows)
-PACKED = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
-LEGACY = ({}, 4)  # the fallback: BLAS matmuls, batches padded to 4 rows
+# own GEMM template for every matmul (the BLAS's low bits depend on the batch size below 4 rows),
+# the whole step one C++ call that lets go of the GIL (cpp_wrapper)
+PACKED = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP", "cpp_wrapper": True}
+LEGACY = ({"cpp_wrapper": True}, 4)  # the fallback: BLAS matmuls, batches padded to 4 rows
 MAX_ROWS = 1 << 16  # the symbolic batch dim needs an upper bound; far above any max_batch
 CACHE_DIR = Path.home() / ".cache" / "linstream" / "compile"
 MODES = ("auto", "on", "off")
