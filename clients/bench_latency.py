@@ -35,14 +35,19 @@ def over_http(c: Client, model: str, n: int, m: int, vocab: int) -> dict:
             "server_per_token_ms": stream.done.timings["per_token_ms"]}
 
 
-def in_process(weights: Path, model_name: str, n: int, m: int) -> dict:
-    from model.timing import state_at, time_steps
+def in_process(weights: Path, model_name: str, n: int, m: int, compiled: bool = False) -> dict:
+    """The same checkpoint stepped directly: with the compiled step (model/compiled.py) when
+    `compiled` (as the server steps it), else eagerly (LM.step)."""
+    from model.compiled import Stepper
     from model.hf import load_checkpoint
+    from model.timing import state_at, time_steps
     if model_name not in _cache:  # linstream's own checkpoints or imported (HF-format) ones alike
-        _cache[model_name] = load_checkpoint(weights / model_name)[0]
-    lm = _cache[model_name]
-    ts = time_steps(lm, state_at(lm, n), m)
-    return {"ms_median": 1000 * statistics.median(ts), "ms_p99": 1000 * pct(ts, 0.99)}
+        lm = load_checkpoint(weights / model_name)[0]
+        _cache[model_name] = lm, (Stepper(lm, "on", background=False) if compiled else None)
+    lm, stepper = _cache[model_name]
+    ts = time_steps(stepper or lm, state_at(lm, n), m)
+    return {"ms_median": 1000 * statistics.median(ts), "ms_p99": 1000 * pct(ts, 0.99),
+            "step": "compiled" if stepper else "eager"}
 
 
 _cache: dict = {}
@@ -69,6 +74,11 @@ def run(url, models, contexts, m, do_in_process, do_hf, threads, out, weights=No
     torch.set_num_threads(threads)
     c = Client(url, timeout=600)
     served = {x["id"]: x for x in c.models()}
+    if any(served[x].get("decode_step") == "compiling" for x in models if x in served):
+        tqdm.write("waiting for the server's compiled decode step (it serves eagerly meanwhile)")
+        while any(served[x].get("decode_step") == "compiling" for x in models if x in served):
+            time.sleep(0.5)
+            served = {x["id"]: x for x in c.models()}
     missing = [x for x in models if x not in served]
     if missing:
         raise SystemExit(f"models not served by {url}: {missing}")
@@ -77,12 +87,13 @@ def run(url, models, contexts, m, do_in_process, do_hf, threads, out, weights=No
     work = [(x, n) for x in models for n in contexts]
     for x, n in tqdm(work, desc="latency", unit="point"):
         row = {"context": n, "http": over_http(c, x, n, m, 2048)}
-        if do_in_process:
-            row["in_process"] = in_process(weights, x, n, m)
+        if do_in_process:  # stepped as the server steps it
+            row["in_process"] = in_process(weights, x, n, m, served[x].get("decode_step") == "compiled")
             row["http_over_in_process"] = row["http"]["ms_median"] / row["in_process"]["ms_median"]
         res["models"].setdefault(x, []).append(row)
         tqdm.write(f"{x:8s} N={n:6d}: SSE {row['http']['ms_median']:.3f} ms/token (p99 {row['http']['ms_p99']:.3f})"
-                   + (f", in-process {row['in_process']['ms_median']:.3f} ms" if do_in_process else "")
+                   + (f", in-process {row['in_process']['ms_median']:.3f} ms ({row['in_process']['step']})"
+                      if do_in_process else "")
                    + f", state {row['http']['state_bytes']:,} B")
     if do_hf:
         res["hf_transformers_mamba"] = hf_mamba(m)
