@@ -138,26 +138,39 @@ class State:
                     layer[n] = grown
 
     def assign(self, rows: list[int], other: "State") -> None:
-        """Write `other` (len(rows) rows) into these rows, growing KV capacity when needed."""
+        """Write `other` (len(rows) rows) into these rows, growing KV capacity when needed. A
+        contiguous run of rows (the usual case: a step's rows, one session) is written with one
+        `_foreach_copy_` over views instead of an index_copy_ per tensor."""
+        run = slice(rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
         idx = torch.tensor(rows, dtype=torch.long, device=self.position.device)
+        dsts, srcs = [], []
+
+        def put(dst: Tensor, src: Tensor) -> None:
+            if run is None:
+                dst.index_copy_(0, idx, src)
+                return
+            view = dst[run]
+            if not (src.data_ptr() == view.data_ptr() and src.shape == view.shape and src.stride() == view.stride()):
+                dsts.append(view)  # (else a view of these very rows, already written in place)
+                srcs.append(src)
+
         for i, (mine, theirs) in enumerate(zip(self.layers, other.layers)):
             for n, src in theirs.items():
                 dst = mine[n]
                 src = src.to(dst.device)  # a state read from a blob (host) into a pool on a GPU
-                if src.data_ptr() == dst[rows[0]].data_ptr() and src.shape[1:] == dst.shape[1:]:
-                    continue  # a view of these very rows, already written in place
                 d = self.time_dims[i].get(n)
                 if d is not None and src.shape[d] > dst.shape[d]:
                     grown = dst.new_zeros(*dst.shape[:d], max(src.shape[d], 2 * dst.shape[d]), *dst.shape[d + 1:])
                     grown.narrow(d, 0, dst.shape[d]).copy_(dst)
                     mine[n] = dst = grown
                 if d is None or src.shape[d] == dst.shape[d]:
-                    dst.index_copy_(0, idx, src)
-                else:
+                    put(dst, src)
+                else:  # a shorter KV cache into the first entries
                     dst.narrow(d, 0, src.shape[d])[idx] = src
-        self.position.index_copy_(0, idx, other.position.to(idx.device))
-        if other.next_logits.data_ptr() != self.next_logits[rows[0]].data_ptr():
-            self.next_logits.index_copy_(0, idx, other.next_logits.to(idx.device))
+        put(self.position, other.position.to(self.position.device))
+        put(self.next_logits, other.next_logits.to(self.next_logits.device))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
 
     def nonfinite(self) -> str | None:
         """The name of a tensor holding NaN or Inf (KV caches counted up to each row's position), else None."""

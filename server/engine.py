@@ -47,6 +47,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -132,6 +133,9 @@ class Engine:
         self.kv = any(self.pool.time_dims)  # some layer keeps a growing KV cache
         self.free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest slot: active rows stay contiguous
         self.prefill_chunk, self.max_batch, self.metrics = prefill_chunk, max_batch, metrics
+        # this model's series, looked up once (a labels() lookup per token costs as much as the update)
+        self._series = None if metrics is None else SimpleNamespace(**{
+            k: getattr(metrics, k).labels(name) for k in ("step_seconds", "batch_size", "tokens", "ttft", "itl")})
         self.lookahead = lookahead
         self.prefill_share, self.min_slice = prefill_share, MIN_SLICE  # 0 = whole chunks always
         self.step_s: float | None = None  # EMA: seconds of a decode iteration that stepped
@@ -369,9 +373,9 @@ class Engine:
             half = len(step) // 2
             self._step(step[:half])
             return self._step(step[half:])
-        if self.metrics:
-            self.metrics.step_seconds.labels(self.name).observe(time.perf_counter() - t0)
-            self.metrics.batch_size.labels(self.name).observe(len(step))
+        if self._series:
+            self._series.step_seconds.observe(time.perf_counter() - t0)
+            self._series.batch_size.observe(len(step))
         finite = torch.isfinite(logits).all(-1).tolist()
         go, idx = [], []
         for i, j in enumerate(step):
@@ -411,12 +415,12 @@ class Engine:
             except Exception as e:
                 self._fail(j, f"turning token {tokens[i]} into text failed: {type(e).__name__}: {e}")
                 continue
-            if self.metrics:
-                self.metrics.tokens.labels(self.name).inc()
+            if self._series:
+                self._series.tokens.inc()
                 if j.t_first is None:
-                    self.metrics.ttft.labels(self.name).observe(now - j.t_submit)
+                    self._series.ttft.observe(now - j.t_submit)
                 else:
-                    self.metrics.itl.labels(self.name).observe(now - j.t_last)
+                    self._series.itl.observe(now - j.t_last)
             j.t_first = j.t_first or now
             j.t_last = now
             self._post(j.loop, j.events.put_nowait, ("token", ev))
