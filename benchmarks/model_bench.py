@@ -14,6 +14,8 @@ import argparse
 import json
 import platform
 import statistics
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -70,7 +72,63 @@ def bench_compiled(model: LM, batches: list[int], steps: int, mode: str) -> dict
         res["batches"].append(row)
         print(f"  step batch {b:3d}: " + ", ".join(f"{k} {1000 * statistics.median(v):.3f} ms" for k, v in ts.items())
               + f", bare matmuls {row['bare_matmul_ms']:.3f} ms", flush=True)
+    if st.compiled:
+        state = batched(model, model.init_state(1), max(batches))
+        res["beside_python"] = [beside_python(st, state, steps, iv) for iv in (sys.getswitchinterval(), 0.0005)]
+        for r in res["beside_python"]:
+            print("  compiled step at batch {batch} beside a busy Python thread, switch interval {switch_ms:g} ms: the "
+                  "step at {step_speed:.0%} of its speed alone, the thread at {thread_speed:.0%} of its own".format(**r),
+                  flush=True)
     return res
+
+
+def beside_python(step, state: State, steps: int, switch_s: float) -> dict:
+    """The compiled step while another thread runs pure Python that never blocks (the worst a
+    server's event loop can do): each one's speed against its speed alone. The step is one C++
+    call that lets go of the GIL, so the thread keeps running through it on the other core; to
+    return, the step thread needs the GIL back, which a thread that never blocks hands over only
+    after Python's switch interval (sys.setswitchinterval, 5 ms by default): measured at `switch_s`."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(switch_s)
+    try:
+        return {"switch_ms": 1000 * switch_s} | _beside_python(step, state, steps)
+    finally:
+        sys.setswitchinterval(old)
+
+
+def _beside_python(step, state: State, steps: int) -> dict:
+    tok = torch.zeros(state.batch, dtype=torch.long)
+    alone = statistics.median(time_steps(step, state, steps, warmup=3))
+    stop, count = threading.Event(), [0]
+
+    def spin():
+        while not stop.is_set():
+            count[0] += 1
+
+    def spin_rate(during) -> tuple[float, float]:
+        stop.clear()
+        count[0] = 0
+        t = threading.Thread(target=spin)
+        t.start()
+        time.sleep(0.1)
+        c0, t0 = count[0], time.perf_counter()
+        out = during()
+        rate = (count[0] - c0) / (time.perf_counter() - t0)
+        stop.set()
+        t.join()
+        return rate, out
+
+    rate_alone, _ = spin_rate(lambda: time.sleep(0.5))
+
+    def stepping() -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step(tok, state)
+        return (time.perf_counter() - t0) / steps
+
+    rate_beside, beside = spin_rate(stepping)
+    return {"batch": state.batch, "step_ms_alone": 1000 * alone, "step_ms_beside": 1000 * beside,
+            "step_speed": alone / beside, "thread_speed": rate_beside / rate_alone}
 
 
 def bench_model(name: str, model: LM, positions: list[int], batches: list[int], steps: int,

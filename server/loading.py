@@ -1,6 +1,8 @@
 """Loading the served models: one engine (engine.py) per checkpoint, sized by the settings."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from model.hf import CheckpointError, load_checkpoint
@@ -9,12 +11,20 @@ from .engine import Engine
 from .metrics import Metrics
 from .settings import Settings
 
+# The compiled step lets go of the GIL while it runs; to hand its tokens over it needs the GIL
+# back, which a busy event loop yields only after Python's switch interval (5 ms by default, as
+# long as a batch-64 step). Half a millisecond bounds that wait: beside a thread that never
+# blocks, a batch-64 step keeps 51-78 % of its speed instead of 11-18 %
+# (benchmarks/model_bench.py --step-only, `beside_python`).
+SWITCH_INTERVAL_S = 0.0005
+
 
 def load_engines(settings: Settings, metrics: Metrics) -> dict[str, Engine]:
     """Served name -> engine, in the order of settings.models (the first is the default).
     A checkpoint that cannot be served stops the server with a message naming it."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     engines: dict[str, Engine] = {}
     for i, name in enumerate(settings.models):
         path = settings.checkpoint(name)
