@@ -73,12 +73,9 @@ def run(url, models, contexts, m, do_in_process, do_hf, threads, out, weights=No
     weights = Path(weights) if weights else WEIGHTS
     torch.set_num_threads(threads)
     c = Client(url, timeout=600)
+    tqdm.write("waiting for any decode step still compiling (the server serves eagerly meanwhile)")
+    c.decode_steps()
     served = {x["id"]: x for x in c.models()}
-    if any(served[x].get("decode_step") == "compiling" for x in models if x in served):
-        tqdm.write("waiting for the server's compiled decode step (it serves eagerly meanwhile)")
-        while any(served[x].get("decode_step") == "compiling" for x in models if x in served):
-            time.sleep(0.5)
-            served = {x["id"]: x for x in c.models()}
     missing = [x for x in models if x not in served]
     if missing:
         raise SystemExit(f"models not served by {url}: {missing}")

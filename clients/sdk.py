@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -191,6 +192,17 @@ class _Requests:
 
     def models(self) -> list[dict]:
         return self._call("GET", "/v1/models", _data)
+
+    def decode_steps(self, within: float = 300.0) -> dict[str, str | None]:
+        """Each served model's decode step (compiled | compiling | eager), once none is still
+        compiling or `within` seconds have passed: a fresh server serves eagerly while its step
+        compiles in the background, so a benchmark measures what it serves with after this."""
+        deadline = time.monotonic() + within
+        while True:
+            steps = {m["id"]: m.get("decode_step") for m in self.models()}
+            if "compiling" not in steps.values() or time.monotonic() >= deadline:
+                return steps
+            time.sleep(0.5)  # polling the server's own report: there is nothing to wait on here
 
     def health(self) -> dict:
         return self._call("GET", "/healthz", _json)

@@ -9,6 +9,8 @@ import time
 
 import httpx
 
+from clients.sdk import Client
+
 
 def wait_until_up(proc: subprocess.Popen, url: str, within: float) -> bool:
     """Poll `url` until it answers 200 (True), the process exits or `within` seconds pass (False)."""
@@ -24,15 +26,9 @@ def wait_until_up(proc: subprocess.Popen, url: str, within: float) -> bool:
 
 
 def wait_compiled(url: str, within: float = 300.0) -> dict:
-    """Poll `url`/v1/models until no model's decode step is still compiling (a fresh server serves
-    eagerly while it compiles in the background) or `within` seconds pass: each model's
-    `decode_step` (compiled | compiling | eager)."""
-    deadline = time.time() + within
-    while True:
-        steps = {m["id"]: m.get("decode_step") for m in httpx.get(url + "/v1/models").json()["data"]}
-        if "compiling" not in steps.values() or time.time() >= deadline:
-            return steps
-        time.sleep(0.5)
+    """Each model's `decode_step` at `url` once none is still compiling (Client.decode_steps)."""
+    with Client(url, timeout=30) as c:
+        return c.decode_steps(within)
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 30) -> None:
