@@ -109,8 +109,11 @@ def test_cli_chat_help_save_without_a_name_and_ctrl_c_keeps_the_session(server, 
     assert r.returncode == 0 and "/save [FILE]" in r.stdout, r.stderr
     saved = list(tmp_path.glob("chat-*.safetensors"))
     assert len(saved) == 1 and f"to {saved[0].name}" in r.stdout
+    # a shell without job control starts background commands with SIGINT ignored, and a child
+    # inherits that: give the chat the default disposition a terminal's user has
     proc = subprocess.Popen([sys.executable, "-m", "linstream", "chat", "--url", server.url], cwd=ROOT, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     sid = proc.stdout.readline().split()[1].rstrip(";")
     assert proc.stdout.read(2) == "> "  # waiting at the prompt, where a user presses Ctrl-C
     proc.send_signal(signal.SIGINT)
