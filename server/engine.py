@@ -23,10 +23,12 @@ token of such slices, which converges to the size that meets the budget even tho
 pass has a fixed cost). It is never below `min_slice` tokens: under that the fixed cost dominates
 and slicing finer only slows the prefill. With no generation running, a slice is a whole
 `prefill_chunk`. Where a slice ends changes results only within float rounding (the chunked form
-agrees with itself however the tokens are cut). A push of at most `STEP_PREFILL` tokens runs as
-decode steps, one per token, once the step is compiled: a compiled step costs ~0.35 ms and one
-chunked pass ~1.5 ms however short (the two agree within float rounding); its time is not
-counted in the slice EMA.
+agrees with itself however the tokens are cut). A push of at most `STEP_PREFILL` tokens (a
+create's short prompt, a chat turn's few tokens) rides in the batched decode steps once the step
+is compiled, one token a step as one more row: a compiled step alone costs ~0.35 ms and one
+chunked pass ~1.5 ms however short, a row of a batched step a fraction of either (the forms agree
+within float rounding, and a row's result does not depend on its batch). Asked for logprobs, it
+runs as steps of its own; neither is counted in the slice EMA.
 
 History = what the client got: the handler counts the events it has handed to the response
 (`Job.yielded`). The engine may consume an emitted token before it is handed over (`lookahead`,
@@ -120,6 +122,7 @@ class Prefill:
     read: bool = False  # copy the row once prefilled (into `state`), saving the caller a round trip
     state: State | None = None
     saved: State | None = None  # the row before the first of several chunks (rolled back to on failure)
+    alone: bool = False  # never rides in the decode step (set when a step it rode in failed)
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -238,8 +241,9 @@ class Engine:
                     res, err = None, e
                 self._post(loop, _settle, fut, res, err)
             self._deliver()  # before a prefill slice, which may take a while
-            if self.prefills:
-                self._prefill_chunk(self.prefills[0])
+            job = next((p for p in self.prefills if not self._rides(p)), None)
+            if job is not None:  # (the others ride in the decode step below)
+                self._prefill_chunk(job)
                 self._deliver()
             try:
                 t0 = time.perf_counter()
@@ -301,17 +305,25 @@ class Engine:
         except Exception as e:
             if job.saved is not None:
                 self.pool.assign([job.slot], job.saved)  # earlier chunks undone: all of the push or none
-            self.prefills.popleft()
+            self.prefills.remove(job)
             self._post(job.loop, _settle, job.future, None, e)
             return
         if job.done >= len(job.tokens):
-            self.prefills.popleft()
+            self.prefills.remove(job)
             if job.read:
                 job.state = self.read(job.slot)
             self._post(job.loop, _settle, job.future, job, None)
 
+    def _rides(self, p: Prefill) -> bool:
+        """Does this push ride in the decode steps, one token a step beside the streams? A push of
+        at most STEP_PREFILL tokens does once the step is compiled (logprobs are left to a slice of
+        its own): as a row of the batched step it costs a fraction of a step alone, and the
+        step's rows being batch-invariant, it ends in the very state the step alone would give."""
+        return (not p.alone and p.logprobs is None and 0 < len(p.tokens) <= STEP_PREFILL
+                and self.stepper.status == "compiled")
+
     def _decode(self) -> bool:
-        """Start new jobs and step the ready ones; whether a step ran."""
+        """Start new jobs and step the ready ones (and the riding pushes); whether a stream stepped."""
         first, step = [], []
         for j in list(self.jobs):
             if j.saved is not None and j.yielded >= j.consumed:
@@ -332,39 +344,52 @@ class Engine:
             elif self._may_consume(j):
                 step.append(j)
         step = step[: self.max_batch]
+        busy = {j.slot for j in self.jobs}
+        riders = [p for p in self.prefills if self._rides(p) and p.slot not in busy][: self.max_batch - len(step)]
         if first:
             rows = [j.slot for j in first]
             for j in first:
                 j.t_start = time.perf_counter()
             self._emit(first, self.pool.next_logits[rows])
             self._deliver()  # first tokens leave now, not after the step below
-        if step:
-            step.sort(key=lambda j: j.slot)
-            self._step(step)
+        if step or riders:
+            self._step(step, riders)
         return bool(step)
 
-    def _step(self, step: list[Job], retry: bool = True):
+    def _step(self, step: list[Job], riders: list[Prefill] = (), retry: bool = True):
         """One batched step over these jobs' pending tokens. If it raises, every row goes back to
         where it was and the batch is retried in halves, down to the one job that fails alone
         (twice: a transient fault ends nobody), so a fault ends only the job that causes it; the
         others' tokens are the ones they would have had without it (a row's result does not
-        depend on its batch)."""
-        rows = [j.slot for j in step]
+        depend on its batch). Riding pushes (`_rides`) add a row each, their next token; a step
+        that fails sends them back to a prefill slice of their own, from where they began."""
+        order = sorted([(j.slot, j.pending, j) for j in step] + [(p.slot, p.tokens[p.done], p) for p in riders],
+                       key=lambda e: e[0])  # rows in slot order: contiguous runs step in place
+        rows, at = [e[0] for e in order], {id(e[2]): i for i, e in enumerate(order)}
         # the rollback point of every row: a step writes the state in place. Without the KV
         # tensors (entries past a row's position are never read) it costs one copy of the
         # recurrent state; it also serves the rows consumed ahead of delivery (lookahead)
         saved = self.pool.copy_rows(rows, with_growing=False)
-        for i, j in enumerate(step):
-            j.saved = (saved, i)
+        for j in step:
+            j.saved = (saved, at[id(j)])
+        for p in riders:
+            if p.done == 0:  # the row before the push: where a failure leaves it
+                p.saved = saved.copy_rows([at[id(p)]])
         try:
             if self.kv:  # grow the caches once, ahead, so the step writes in place
                 self.pool.reserve(int(self.pool.position[rows].max()) + 1)
             st = self.pool.select(rows)
             t0 = time.perf_counter()
-            logits, new = decode_one_token(self.stepper, torch.tensor([j.pending for j in step]), st, rows)
+            logits, new = decode_one_token(self.stepper, torch.tensor([e[1] for e in order]), st, rows)
             self.pool.assign(rows, new)
         except Exception as e:
             self.pool.assign(rows, saved)
+            if riders:
+                log.warning("decode step over %d rows with %d riding pushes failed (%s: %s); the pushes go alone",
+                            len(rows), len(riders), type(e).__name__, e)
+                for p in riders:
+                    self._unride(p)
+                return self._step(step) if step else None
             if len(step) == 1:
                 if retry:
                     return self._step(step, retry=False)
@@ -375,10 +400,13 @@ class Engine:
             return self._step(step[half:])
         if self._series:
             self._series.step_seconds.observe(time.perf_counter() - t0)
-            self._series.batch_size.observe(len(step))
+            self._series.batch_size.observe(len(rows))
         finite = torch.isfinite(logits).all(-1).tolist()
+        for p in riders:
+            self._ride_on(p, finite[at[id(p)]])
         go, idx = [], []
-        for i, j in enumerate(step):
+        for j in step:
+            i = at[id(j)]
             if not finite[i]:  # this row's state went bad: back to before the step, and only it ends
                 self.pool.assign([j.slot], saved.select([i]))
                 self._fail(j, "the model's output became non-finite (NaN or infinity) for this session")
@@ -394,6 +422,33 @@ class Engine:
                 idx.append(i)
         if go:
             self._emit(go, logits[idx], checked=True)
+
+    def _ride_on(self, p: Prefill, finite: bool):
+        """A riding push consumed its next token: once it has all of them (or its row went bad),
+        it ends as a prefill slice would have."""
+        p.done += 1
+        err = None
+        if not finite:
+            err = "the next logits"
+        elif p.done == len(p.tokens):
+            err = self.pool.select([p.slot]).nonfinite()
+        if err:
+            self.pool.assign([p.slot], p.saved)
+            err = NonFiniteState(f"prefilling these tokens makes the session's state non-finite ({err} holds "
+                                 "NaN or Inf); nothing was applied")
+        elif p.done < len(p.tokens):
+            return
+        self.prefills.remove(p)
+        p.saved = None
+        if err is None and p.read:
+            p.state = self.read(p.slot)
+        self._post(p.loop, _settle, p.future, None if err else p, err)
+
+    def _unride(self, p: Prefill):
+        """Back to where the push began; it goes on in a prefill slice of its own."""
+        if p.saved is not None:
+            self.pool.assign([p.slot], p.saved)
+        p.done, p.saved, p.alone = 0, None, True
 
     def _emit(self, jobs: list[Job], logits: torch.Tensor, checked: bool = False):
         """Sample a token for each job from its row of logits and post its event.

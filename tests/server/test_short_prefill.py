@@ -14,7 +14,8 @@ from model.compiled import Stepper, compiler_missing
 from model.config import PRESETS
 from model.generate import decode_one_token, prefill, prefill_by_steps, prefill_chunk
 from model.lm import LM
-from server.engine import STEP_PREFILL, Engine, _logprob_entries
+from model.sampling import SamplingParams
+from server.engine import STEP_PREFILL, Engine, Job, NonFiniteState, _logprob_entries
 
 from .test_engine import PROMPT, Tok, assert_state_of
 
@@ -41,10 +42,17 @@ async def pushes(eng: Engine, pushed: list[list[int]]) -> list:
     return out
 
 
-@pytest.mark.parametrize("compile", ["on", "off"])
-def test_short_push_runs_as_steps_once_compiled(compile, monkeypatch):
+@pytest.fixture(scope="module")
+def compiled_engine_model():
     torch.manual_seed(0)
     model = LM(PRESETS["tiny-linear"]).eval()
+    assert Stepper(model, "on", background=False).wait(), "the step did not compile"  # once for the module
+    return model
+
+
+@pytest.mark.parametrize("compile", ["on", "off"])
+def test_short_push_runs_as_steps_once_compiled(compile, compiled_engine_model, monkeypatch):
+    model = compiled_engine_model
     eng = Engine("m", model, Tok(), slots=8, prefill_chunk=64, max_batch=8, compile=compile)
     assert eng.stepper.wait(120) == (compile == "on")
     ran = spy(monkeypatch)
@@ -94,3 +102,117 @@ def test_steps_and_chunked_continue_alike_on_the_shipped_model():
             assert greedy(a) == greedy(b.clone())
     finally:
         torch.set_num_threads(n)
+
+
+async def stream_beside_pushes(eng: Engine, pushed: list[list[int]]) -> tuple[list[int], list]:
+    """A seeded stream of 40 tokens; once it runs, `pushed` go into other sessions (each after
+    PROMPT) at once. -> (the stream's tokens, each push's prefill job)."""
+    from .test_engine_faults import deliver
+    loop = asyncio.get_running_loop()
+    slots = []
+    for _ in range(1 + len(pushed)):
+        slots.append(await eng.call(eng.alloc))
+        await eng.prefill(slots[-1], PROMPT)
+    job = Job(slots[0], SamplingParams(max_tokens=40, temperature=0.9, top_k=20, seed=3), loop)
+    eng.submit(job)
+    stream = asyncio.create_task(deliver(eng, job))
+    while job.emitted < 3:
+        await asyncio.sleep(0.001)
+    jobs = await asyncio.gather(*(eng.prefill(s, t, read=True) for s, t in zip(slots[1:], pushed)))
+    return await stream, jobs
+
+
+RIDERS = [[9], [9, 40, 3], [(5 * i + 2) % 64 for i in range(STEP_PREFILL)], [17, 33]]
+
+
+def engine(model) -> Engine:
+    eng = Engine("m", model, Tok(), slots=8, prefill_chunk=64, max_batch=8, compile="on")
+    assert eng.stepper.wait(120)
+    return eng
+
+
+def alone(eng: Engine, tokens: list[int]):
+    """The state a push of `tokens` after PROMPT ends in when stepped alone, batch 1."""
+    with torch.no_grad():
+        start = prefill_chunk(eng.model, PROMPT, eng.model.init_state(1))[1]
+        return prefill_by_steps(eng.stepper, tokens, start)[1]
+
+
+def assert_same_state(got, want):
+    assert torch.equal(got.position, want.position) and torch.equal(got.next_logits, want.next_logits)
+    for a, b in zip(got.layers, want.layers):
+        for n in a:
+            assert torch.equal(a[n], b[n]), n
+
+
+def test_short_pushes_ride_in_the_stream_steps_and_change_nothing(compiled_engine_model, monkeypatch):
+    """Short pushes beside a running stream ride in its steps, one token each per step: no step
+    of their own, and bit for bit the state stepping them alone gives; the stream's tokens are
+    the ones it has with no push beside it."""
+    eng = engine(compiled_engine_model)
+    ran, rode = spy(monkeypatch), []
+    ride_on = Engine._ride_on
+    monkeypatch.setattr(Engine, "_ride_on", lambda self, p, ok: rode.append(p.slot) or ride_on(self, p, ok))
+    eng.start()
+    try:
+        toks, jobs = asyncio.run(stream_beside_pushes(eng, RIDERS))
+    finally:
+        eng.stop()
+    assert "steps" not in ran and len(rode) == sum(map(len, RIDERS))
+    for tokens, job in zip(RIDERS, jobs):
+        assert_same_state(job.state, alone(eng, tokens))
+    quiet = engine(compiled_engine_model)
+    quiet.start()
+    try:
+        toks_alone, _ = asyncio.run(stream_beside_pushes(quiet, []))
+    finally:
+        quiet.stop()
+    assert toks == toks_alone and len(toks) == 40
+
+
+def test_a_failed_step_sends_its_riders_to_steps_of_their_own(compiled_engine_model, monkeypatch):
+    """A step with riders that raises: the riders start over alone and end as they would have,
+    the stream loses nothing."""
+    eng = engine(compiled_engine_model)
+    ran, failed = spy(monkeypatch), []
+    real = engine_mod.decode_one_token
+
+    def flaky(step, tokens, state, rows=None):
+        if len(rows) > 1 and not failed:
+            failed.append(len(rows))
+            raise RuntimeError("injected step fault")
+        return real(step, tokens, state, rows)
+    monkeypatch.setattr(engine_mod, "decode_one_token", flaky)
+    eng.start()
+    try:
+        toks, jobs = asyncio.run(stream_beside_pushes(eng, RIDERS))
+    finally:
+        eng.stop()
+    assert failed and "steps" in ran
+    for tokens, job in zip(RIDERS, jobs):
+        assert_same_state(job.state, alone(eng, tokens))
+    assert len(toks) == 40
+
+
+def test_a_rider_whose_row_turns_non_finite_is_refused_and_its_row_kept(compiled_engine_model):
+    eng = engine(compiled_engine_model)
+
+    async def run():
+        slot = await eng.call(eng.alloc)
+        await eng.prefill(slot, PROMPT)
+
+        def poison():  # a state that overflows at the next step
+            for layer in eng.pool.layers:
+                for t in layer.values():
+                    t[slot] = 3e38
+            return eng.read(slot)
+        before = await eng.call(poison)
+        with pytest.raises(NonFiniteState, match="nothing was applied"):
+            await eng.prefill(slot, [9, 40])
+        return before, await eng.call(lambda: eng.read(slot))
+    eng.start()
+    try:
+        before, after = asyncio.run(run())
+    finally:
+        eng.stop()
+    assert_same_state(after, before)
