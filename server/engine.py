@@ -220,9 +220,10 @@ class Engine:
 
     def _may_consume(self, j: Job) -> bool:
         """May the pending token enter the state now? Once delivered, yes. Before that only with
-        lookahead, never for a finished job (its last token must be delivered first), and only
-        when every token consumed earlier has been delivered (at most one to roll back)."""
-        return j.yielded >= j.emitted or (self.lookahead and not j.finish and j.yielded >= j.consumed)
+        lookahead, and only when every token consumed earlier has been delivered (at most one to
+        roll back). A finished job's last token is consumed ahead too: the job ends with it, and
+        `take_back` undoes it if it never reaches the client."""
+        return j.yielded >= j.emitted or (self.lookahead and j.yielded >= j.consumed)
 
     def _run(self):
         torch.set_grad_enabled(False)
@@ -343,15 +344,17 @@ class Engine:
                     first.append(j)
             elif self._may_consume(j):
                 step.append(j)
-        step = step[: self.max_batch]
-        busy = {j.slot for j in self.jobs}
-        riders = [p for p in self.prefills if self._rides(p) and p.slot not in busy][: self.max_batch - len(step)]
         if first:
             rows = [j.slot for j in first]
             for j in first:
                 j.t_start = time.perf_counter()
             self._emit(first, self.pool.next_logits[rows])
             self._deliver()  # first tokens leave now, not after the step below
+            # ... which may consume them ahead of delivery: a job's first step is this one, not the next
+            step += [j for j in first if j.pending is not None and j in self.jobs and self._may_consume(j)]
+        step = step[: self.max_batch]
+        busy = {j.slot for j in self.jobs}
+        riders = [p for p in self.prefills if self._rides(p) and p.slot not in busy][: self.max_batch - len(step)]
         if step or riders:
             self._step(step, riders)
         return bool(step)
@@ -515,6 +518,16 @@ class Engine:
         j.pending = t
         return ev
 
+    def take_back(self, j: Job, read: bool) -> State | None:
+        """After a job's done: if the last token it consumed never reached its client (the job
+        ended with that token stepped ahead of delivery, and the client left or the server ended
+        the stream before it was handed over), restore the row from before it. Engine thread
+        (through `call`); the session still owns the slot. -> the final row if `read`, else None."""
+        if j.saved is not None and j.yielded < j.consumed:
+            self._roll_back(j)
+        j.saved = None
+        return self.read(j.slot) if read else None
+
     def _roll_back(self, j: Job):
         """Undo the consumption of j's last token, which never reached its client."""
         saved, i = j.saved
@@ -535,7 +548,11 @@ class Engine:
         if j not in self.jobs:  # already ended (a failure met while it was being finished)
             return
         self.jobs.remove(j)
-        j.saved = None
+        if j.saved is not None and j.yielded < j.consumed:  # its last token is not delivered yet:
+            saved, i = j.saved  # keep only its own row of the step's rollback copy, for take_back
+            j.saved = (saved.copy_rows([i]), 0)
+        else:
+            j.saved = None
         self.texts.pop(id(j), None)
         if j.finish is None:
             j.finish = "cancelled" if j.cancelled else "length"

@@ -242,6 +242,9 @@ class Runtime:
         job, s = st.job, st.session
         try:
             await job.finished.wait()
+            if job.yielded < job.consumed:  # its last token was stepped ahead of delivery and never left
+                job.state = await st.eng.call(lambda: st.eng.take_back(job, read=not s.ephemeral))
+            job.saved = None
             extra = job.yielded - job.consumed
             if job.finish == "error" and extra > 0:  # handed over, but the step taking it failed
                 del s.tokens[len(s.tokens) - extra:]
