@@ -24,6 +24,7 @@ import torch
 from clients.stats import pct
 from model import WEIGHTS
 from model.compiled import Stepper
+from model.gemm import GEMMS, OneDnnLinear
 from model.generate import decode_one_token, prefill
 from model.hf import load_checkpoint
 from model.lm import LM
@@ -37,41 +38,52 @@ def batched(model: LM, one: State, batch: int) -> State:
     return pool
 
 
-def bare_matmuls(model: LM, batch: int, steps: int) -> list[float]:
+def bare_matmuls(model: LM, batch: int, steps: int, gemm: str = "blas") -> list[float]:
     """Seconds per pass over every weight matmul of one decode step at `batch` rows, alone: the
-    floor a step cannot beat (issue 13, goal 2)."""
+    floor a step cannot beat (issue 13, goal 2). gemm "blas": torch.mm (MKL); "onednn": the
+    oneDNN calls --gemm onednn makes (model/gemm.py), from Python."""
     ws = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     xs = [torch.randn(batch, w.shape[1]) for w in ws]
+    if gemm == "onednn":
+        fns = [OneDnnLinear(torch.nn.Linear(w.shape[1], w.shape[0], bias=False)) for w in ws]
+    else:
+        fns = [lambda x, wt=w.t(): torch.mm(x, wt) for w in ws]
     out = []
     for i in range(5 + steps):
         t0 = time.perf_counter()
-        for x, w in zip(xs, ws):
-            torch.mm(x, w.t())
+        for x, f in zip(xs, fns):
+            f(x)
         if i >= 5:
             out.append(time.perf_counter() - t0)
     return out
 
 
-def bench_compiled(model: LM, batches: list[int], steps: int, mode: str) -> dict:
-    """Eager vs compiled (model/compiled.py) decode step per batch, timed in alternating rounds
-    so that both see the same machine, and the bare weight matmuls at the largest batch."""
-    st = Stepper(model, mode, background=False)
-    res = {"compile_s": st.warm_s, "kernels": getattr(st, "kernels", None) if st.compiled else None, "batches": []}
+def bench_compiled(model: LM, batches: list[int], steps: int, mode: str, gemms: list[str] = GEMMS[:1]) -> dict:
+    """Eager vs compiled (model/compiled.py) decode step per batch, one compiled step per --gemm
+    ("compiled" is inductor's, "compiled_onednn" oneDNN's), timed in alternating rounds so that all
+    see the same machine, and the bare weight matmuls at each batch (MKL's, and oneDNN's)."""
+    steppers = {g: Stepper(model, mode, background=False, gemm=g) for g in gemms}
+    st = next(iter(steppers.values()))
+    res = {"compile_s": st.warm_s, "kernels": getattr(st, "kernels", None) if st.compiled else None, "batches": [],
+           "gemms": {g: s.kernels if s.compiled else None for g, s in steppers.items()}}
     for b in batches:
         state = batched(model, model.init_state(1), b) if b > 1 else model.init_state(1)
-        tok = torch.zeros(b, dtype=torch.long)
-        fns = {"eager": model.step, "compiled": st} if st.compiled else {"eager": model.step}
+        fns = {"eager": model.step} | {("compiled" if g == "inductor" else f"compiled_{g}"): s
+                                       for g, s in steppers.items() if s.compiled}
         ts = {k: [] for k in fns}
         for _ in range(5):  # rounds
             for k, f in fns.items():
                 ts[k] += time_steps(f, state, max(1, steps // 5), warmup=3)
         row = {"batch": b} | {f"{k}_ms": 1000 * statistics.median(v) for k, v in ts.items()}
         row["bare_matmul_ms"] = 1000 * statistics.median(bare_matmuls(model, b, steps))
-        if fns.keys() != {"eager"} and st.compiled is None:
-            raise RuntimeError("the compiled step fell back to eager while timing it")
+        if "onednn" in gemms:
+            row["bare_onednn_ms"] = 1000 * statistics.median(bare_matmuls(model, b, steps, "onednn"))
+        if any(s.compiled is None for s in steppers.values() if s.mode == "on"):
+            raise RuntimeError("a compiled step fell back to eager while timing it")
         res["batches"].append(row)
         print(f"  step batch {b:3d}: " + ", ".join(f"{k} {1000 * statistics.median(v):.3f} ms" for k, v in ts.items())
-              + f", bare matmuls {row['bare_matmul_ms']:.3f} ms", flush=True)
+              + f", bare matmuls {row['bare_matmul_ms']:.3f} ms"
+              + (f" (oneDNN's {row['bare_onednn_ms']:.3f})" if "bare_onednn_ms" in row else ""), flush=True)
     if st.compiled:
         state = batched(model, model.init_state(1), max(batches))
         res["beside_python"] = [beside_python(st, state, steps, iv) for iv in (sys.getswitchinterval(), 0.0005)]
@@ -200,6 +212,8 @@ def main(argv=None):
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                     help="also time the compiled step against eager at --step-batches")
     ap.add_argument("--step-batches", nargs="+", type=int, default=[1, 64])
+    ap.add_argument("--gemm", nargs="+", default=["inductor"], choices=GEMMS,
+                    help="the compiled steps to time (model/gemm.py), each beside eager")
     ap.add_argument("--step-only", action="store_true",
                     help="time only eager vs compiled steps and merge them into --out's existing results")
     ap.add_argument("--profile", action="store_true",
@@ -218,7 +232,7 @@ def main(argv=None):
         results.append(bench_model(path.name, model, a.positions, a.batches, a.steps,
                                    int(a.mem_limit_gib * 2**30), a.prefill))
         if a.compile != "off" and not any(model.init_state(1).time_dims):
-            results[-1]["step"] = bench_compiled(model, a.step_batches, a.steps, a.compile)
+            results[-1]["step"] = bench_compiled(model, a.step_batches, a.steps, a.compile, a.gemm)
     summary = _summary(results)
     print(table(results))
     for line in summary["lines"] + step_lines(results):
@@ -239,7 +253,7 @@ def step_only(a) -> None:
         print(f"  {path.name}:", flush=True)
         r = by.get(path.name) or {"model": path.name}
         model = LM.load(path)
-        r["step"] = bench_compiled(model, a.step_batches, a.steps, a.compile)
+        r["step"] = bench_compiled(model, a.step_batches, a.steps, a.compile, a.gemm)
         r["step"]["threads"] = a.threads
         if a.profile:
             profile_step(model, max(a.step_batches))
@@ -261,6 +275,10 @@ def step_lines(results: list[dict]) -> list[str]:
                 line += (f", compiled {b['compiled_ms'] / b['batch']:.3f} ms/token ({b['eager_ms'] / b['compiled_ms']:.2f}x); "
                          f"step / bare matmuls {b['compiled_ms'] / b['bare_matmul_ms']:.2f}x compiled, "
                          f"{b['eager_ms'] / b['bare_matmul_ms']:.2f}x eager")
+            if "compiled_onednn_ms" in b:
+                line += (f"; --gemm onednn {b['compiled_onednn_ms'] / b['batch']:.3f} ms/token, step / bare matmuls "
+                         f"{b['compiled_onednn_ms'] / b['bare_matmul_ms']:.2f}x (over oneDNN's own "
+                         f"{b['compiled_onednn_ms'] / b['bare_onednn_ms']:.2f}x)")
             lines.append(line)
     return lines
 

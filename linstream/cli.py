@@ -54,6 +54,9 @@ def serve(
         help=f"connections open at once; more get 503 {_default('max_connections')}")] = None,
     compile: Annotated[Optional[str], typer.Option(
         help=f"auto | on | off: compiled decode step, warmed in the background {_default('compile')}")] = None,
+    gemm: Annotated[Optional[str], typer.Option(
+        help=f"inductor | onednn: the compiled step's matmuls; inductor is fastest for 1-4 streams, onednn ~2x "
+             f"faster from 16 (model/gemm.py) {_default('gemm')}")] = None,
     prefix_cache_bytes: Annotated[Optional[int], typer.Option(
         help=f"bytes of OpenAI requests' prefix states kept, so a re-sent conversation prefills only its new part "
              f"(0 = off) {_default('prefix_cache_bytes')}")] = None,
@@ -74,6 +77,8 @@ def serve(
         _reexec_with_jemalloc(required=allocator == "jemalloc")
     if compile not in (None, "auto", "on", "off"):
         raise typer.BadParameter("use auto, on or off", param_hint="--compile")
+    if gemm not in (None, "inductor", "onednn"):
+        raise typer.BadParameter("use inductor or onednn", param_hint="--gemm")
     import uvicorn
 
     import logging
@@ -88,7 +93,7 @@ def serve(
     given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
              "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl,
              "max_connections": max_connections, "names": name, "device": device, "dtype": dtype, "weights": weights,
-             "compile": compile,
+             "compile": compile, "gemm": gemm,
              "prefix_cache_bytes": prefix_cache_bytes, "prefix_cache_shared": prefix_cache_shared}
     settings = Settings(**{k: v for k, v in given.items() if v is not None and v != []})
     app = create_app(settings)

@@ -40,5 +40,6 @@ def load_engines(settings: Settings, metrics: Metrics) -> dict[str, Engine]:
         kv = any(b.mixer.time_dims for b in model.blocks)
         slots = settings.max_kv_sessions if kv else settings.max_sessions
         engines[served] = Engine(served, model, tok, slots, settings.prefill_chunk, settings.max_batch,
-                                 metrics, settings.lookahead, settings.compile, settings.prefill_share)
+                                 metrics, settings.lookahead, settings.compile, settings.prefill_share,
+                                 settings.gemm)
     return engines

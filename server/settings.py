@@ -69,6 +69,10 @@ class Settings(BaseSettings):
     # decode step: auto = compiled (inductor) once warm, eager meanwhile and without a C++ compiler;
     # on = the same but a missing compiler is an error; off = eager only (model/compiled.py)
     compile: Literal["auto", "on", "off"] = "auto"
+    # the compiled step's projections (model/gemm.py): inductor = its own GEMM template, fastest
+    # for 1-4 rows; onednn = oneDNN's matmul, ~2x faster from 16 rows up, ~1.7x slower for one.
+    # Either keeps a row's tokens independent of the load (float32 CPU weights only)
+    gemm: Literal["inductor", "onednn"] = "inductor"
     # where snapshots and every session's latest state live: memory, disk:PATH or redis://HOST:PORT/DB
     store: str = Field(default_factory=lambda: "disk:" + str(Path.home() / ".cache" / "linstream" / "store"))
     # disk store: changes are refused (503) while fewer bytes than this are free on its file system
@@ -89,6 +93,8 @@ class Settings(BaseSettings):
             raise ValueError(f"dtype {self.dtype!r}: use float32, bfloat16 or float16")
         if self.weights != "float32" and (self.device, self.dtype) != ("cpu", "float32"):
             raise ValueError(f"{self.weights} weights need device cpu and dtype float32")
+        if self.gemm == "onednn" and (self.device, self.dtype, self.weights) != ("cpu", "float32", "float32"):
+            raise ValueError("--gemm onednn needs device cpu, dtype float32 and float32 weights")
         if len(self.names) > len(self.models):
             raise ValueError(f"{len(self.names)} names for {len(self.models)} models")
         if not self.max_prompt_bytes:

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from model.compiled import MIN_ROWS, Stepper, compiler_missing
+from model.compiled import MIN_ROWS, ONEDNN, Stepper, compiler_missing
 from model.config import PRESETS
 from model.lm import LM
 from model.state import State
@@ -29,14 +29,14 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def stepper(preset: str) -> Stepper:
-    """One compiled stepper per preset for the whole run (compiling is the expensive part)."""
-    if preset not in _steppers:
+def stepper(preset: str, gemm: str = "inductor") -> Stepper:
+    """One compiled stepper per preset and gemm for the whole run (compiling is the expensive part)."""
+    if (preset, gemm) not in _steppers:
         torch.manual_seed(0)
-        s = Stepper(LM(PRESETS[preset]).eval(), "on", background=False)
+        s = Stepper(LM(PRESETS[preset]).eval(), "on", background=False, gemm=gemm)
         assert s.wait(), "the step did not compile"
-        _steppers[preset] = s
-    return _steppers[preset]
+        _steppers[preset, gemm] = s
+    return _steppers[preset, gemm]
 
 
 def held(model: LM) -> tuple[Stepper, threading.Event]:
@@ -55,9 +55,11 @@ def rows_of(state: State, rows: list[int]) -> State:
     return state.clone().select(rows)
 
 
-@pytest.mark.parametrize("preset", FAST + [pytest.param(p, marks=pytest.mark.slow) for p in SLOW])
-def test_compiled_equals_eager(preset):
-    st = stepper(preset)
+@pytest.mark.parametrize("preset,gemm", [(p, "inductor") for p in FAST] + [(p, "onednn") for p in FAST]
+                         + [pytest.param(p, "inductor", marks=pytest.mark.slow) for p in SLOW]
+                         + [pytest.param(p, "onednn", marks=pytest.mark.slow) for p in SLOW])
+def test_compiled_equals_eager(preset, gemm):
+    st = stepper(preset, gemm)
     model, state = st.model, random_state(st.model, 6)
     tokens = torch.arange(6) % model.cfg.vocab_size
     for B in (1, 3, 6):  # padded, padded, symbolic batch
@@ -70,12 +72,14 @@ def test_compiled_equals_eager(preset):
         assert torch.equal(gnew.position, wnew.position)
 
 
+@pytest.mark.parametrize("gemm,kernels", [("inductor", ("packed", MIN_ROWS)), ("onednn", ("onednn", ONEDNN[1]))])
 @pytest.mark.parametrize("preset", FAST)
-def test_compiled_rows_do_not_depend_on_the_batch(preset):
+def test_compiled_rows_do_not_depend_on_the_batch(preset, gemm, kernels):
     """Bit-identical logits and states for a row stepped alone, in a small padded batch, in any
-    symbolic batch size, at any place in the batch: every matmul is the packed GEMM template."""
-    st = stepper(preset)
-    assert (st.kernels, st.min_rows) == ("packed", MIN_ROWS), "the step fell back to the BLAS"
+    symbolic batch size, at any place in the batch: every projection runs one kernel (inductor's
+    packed GEMM template, or oneDNN's matmul) whatever the batch."""
+    st = stepper(preset, gemm)
+    assert (st.kernels, st.min_rows) == kernels, "the step fell back to the BLAS"
     model = st.model
     state = random_state(model, 70)
     tokens = torch.randint(0, model.cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(3))
