@@ -6,6 +6,8 @@ step; prints each round and the medians.
 
     git archive <before> | tar -x -C /tmp/before
     python benchmarks/aggregate_ab.py --before /tmp/before --rounds 3 --clients 64
+    python benchmarks/aggregate_ab.py --before-args="--gemm inductor" --after-args="--gemm onednn"  # one
+        # checkout, two server options
 """
 from __future__ import annotations
 
@@ -24,19 +26,23 @@ from harness.local_server import LocalServer, wait_compiled  # noqa: E402
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", required=True, help="a checkout of the code before the change")
+    ap.add_argument("--before", default=None, help="a checkout of the code before the change (default: this one)")
     ap.add_argument("--after", default=None, help="default: this checkout")
     ap.add_argument("--model", default="mamba")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--duration", type=float, default=6.0, help="seconds per round and server")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--before-args", default="", help="more `linstream serve` options for the first server")
+    ap.add_argument("--after-args", default="", help="... and for the second")
     a = ap.parse_args(argv)
+    if a.before is None and a.after is None and a.before_args == a.after_args:
+        ap.error("nothing differs: give --before, --after or different --before-args/--after-args")
     servers = {}
     try:
-        for name, repo in (("before", a.before), ("after", a.after)):
+        for name, repo, args in (("before", a.before, a.before_args), ("after", a.after, a.after_args)):
             env = {"PYTHONPATH": repo} if repo else {}
-            servers[name] = LocalServer([a.model], env, "--store", "memory", cwd=repo)
+            servers[name] = LocalServer([a.model], env, "--store", "memory", *args.split(), cwd=repo)
             with Client(servers[name].url, timeout=120) as c:
                 _warm(c, [a.model], 10)
                 if wait_compiled(servers[name].url).get(a.model) not in ("compiled", None):

@@ -185,13 +185,14 @@ def test_inputs_the_graph_was_not_compiled_for_step_eagerly():
 
 
 @pytest.mark.slow
-def test_golden_greedy_compiled():
+@pytest.mark.parametrize("gemm", ["inductor", "onednn"])
+def test_golden_greedy_compiled(gemm):
     """The shipped `linear`, stepped by the compiled graph, greedy-decodes the golden literal."""
     from .test_golden import CKPT, GOLDEN_IDS, PROMPT
     from model.generate import prefill
     from model.tokenizer import Tokenizer
     model = LM.load(CKPT)
-    st = Stepper(model, "on", background=False)
+    st = Stepper(model, "on", background=False, gemm=gemm)
     s = prefill(model, Tokenizer(CKPT / "tokenizer.json").encode(PROMPT), model.init_state(1))
     out = []
     for _ in range(len(GOLDEN_IDS)):

@@ -39,3 +39,13 @@ def test_to_params_refuses_what_the_server_cannot_serve():
     with pytest.raises(APIError) as e:
         Completion(logit_bias={100: 1.0}).to_params(10, 100)
     assert (e.value.status, e.value.type) == (400, "invalid_token")
+
+
+def test_gemm_onednn_needs_float32_cpu_weights():
+    from server.settings import Settings
+    assert Settings(gemm="onednn").gemm == "onednn"
+    for bad in ({"weights": "int8"}, {"dtype": "bfloat16"}, {"device": "cuda"}):
+        with pytest.raises(ValueError, match="--gemm onednn needs"):
+            Settings(gemm="onednn", **bad)
+    with pytest.raises(ValueError):
+        Settings(gemm="mkl")
