@@ -45,11 +45,11 @@ def ms(xs) -> float:
     return round(1000 * statistics.median(xs), 4)
 
 
-def in_process(name: str, steps: int) -> dict:
+def in_process(name: str, steps: int, gemm: str = "inductor") -> dict:
     """Median step (batch 1, position 128) eager and compiled, and the compute of the short requests."""
     lm = load_checkpoint(WEIGHTS / name)[0]
     st = state_at(lm, 128)
-    stepper = Stepper(lm, "auto", background=False)
+    stepper = Stepper(lm, "auto", background=False, gemm=gemm)
     out = {"eager_step_ms": ms(time_steps(lm, st, steps)),
            "compiled_step_ms": ms(time_steps(stepper, st, steps)) if stepper.compiled else None,
            "compile_s": stepper.warm_s}
@@ -153,18 +153,20 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5, help="streams per single-stream figure (x4 for TTFT, x6 requests)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--compile", default="auto")
+    ap.add_argument("--gemm", default="inductor", help="the compiled step's matmuls, in-process and served (model/gemm.py)")
     ap.add_argument("--server-repo", help="serve from this checkout (e.g. the code before a change); default: this one")
     ap.add_argument("--out", default="benchmarks/results/request_path.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     res = {"machine": {"cpu": platform.machine(), "cores": os.cpu_count(), "server_threads": 1},
-           "command": " ".join(sys.argv), "server_repo": a.server_repo, "models": {}}
-    compute = {x: in_process(x, 200) for x in a.models}
+           "command": " ".join(sys.argv), "server_repo": a.server_repo, "gemm": a.gemm, "models": {}}
+    compute = {x: in_process(x, 200, a.gemm) for x in a.models}
     for store in ("memory", "disk"):
         with tempfile.TemporaryDirectory() as d:
             spec = "memory" if store == "memory" else f"disk:{d}"
             env = {"PYTHONPATH": a.server_repo} if a.server_repo else {}
-            srv = LocalServer(a.models, env, "--store", spec, "--compile", a.compile, cwd=a.server_repo)
+            srv = LocalServer(a.models, env, "--store", spec, "--compile", a.compile,
+                              *(["--gemm", a.gemm] if a.gemm != "inductor" else []), cwd=a.server_repo)
             try:
                 with Client(srv.url, timeout=120) as c:
                     _warm(c, a.models, 3 + 2 * sum(compute[x]["compile_s"] or 0 for x in a.models))

@@ -200,3 +200,33 @@ def test_golden_greedy_compiled(gemm):
         out.append(int(t))
         _, s = st(t, s)
     assert out == GOLDEN_IDS
+
+
+def test_inputs_it_was_not_compiled_for_step_eagerly_without_a_recompile(caplog, monkeypatch):
+    """The compiled call skips dynamo's guard checks (but those telling models apart), so inputs
+    of other dtypes (here int32 positions) are stepped eagerly, with one log line, never handed to
+    the graph or recompiled inside a decode step; a guard failure that still reaches dynamo
+    raises before the graph runs and that call steps eagerly too."""
+    st = stepper("tiny-linear")
+    model = st.model
+    state = random_state(model, 3)
+    odd = State(state.layers, state.position.int(), state.time_dims, state.next_logits)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with caplog.at_level("WARNING", logger="linstream.compiled"):
+        monkeypatch.setattr(st, "_warned", False)
+        got, _ = st(torch.arange(3), odd.clone())
+    assert "other dtypes" in caplog.text
+    assert torch.equal(got, model.step(torch.arange(3), odd.clone())[0])
+    tokens = torch.arange(6)[::2]  # a strided view: made contiguous, the compiled graph takes it
+    got, _ = st(tokens, state.clone())
+    torch.testing.assert_close(got, model.step(tokens, state.clone())[0], atol=2e-5, rtol=1e-4)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames, "the step recompiled"
+
+    def refused(*args):
+        raise RuntimeError("Recompilation triggered with skip_guard_eval_unsafe stance.")
+    monkeypatch.setattr(st, "compiled", refused)
+    monkeypatch.setattr(st, "_warned", False)
+    with caplog.at_level("WARNING", logger="linstream.compiled"):
+        got, _ = st(torch.arange(3), state.clone())
+    assert "not compiled for" in caplog.text
+    assert torch.equal(got, model.step(torch.arange(3), state.clone())[0])
