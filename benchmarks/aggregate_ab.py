@@ -1,5 +1,6 @@
 """Aggregate tokens/s of two checkouts' servers, taking turns (issue 13): a change's effect on the
-many-client figure of benchmarks/request_path.py, with the machine's drift spread over both.
+many-client figure of benchmarks/request_path.py, with the machine's drift spread over both
+(with --requests: the medians of its sequential create / 1-token push / 1-token completion instead).
 Each round runs `--clients` clients (create -> generate 128 sampled tokens -> delete, over and
 over) against one server, then the other (the first alternates), once both serve the compiled
 step; prints each round and the medians.
@@ -8,6 +9,7 @@ step; prints each round and the medians.
     python benchmarks/aggregate_ab.py --before /tmp/before --rounds 3 --clients 64
     python benchmarks/aggregate_ab.py --before-args="--gemm inductor" --after-args="--gemm onednn"  # one
         # checkout, two server options
+    python benchmarks/aggregate_ab.py --before /tmp/before --requests --rounds 6
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.request_path import _warm, cycles  # noqa: E402
+from benchmarks.request_path import _warm, cycles, requests  # noqa: E402
 from clients.sdk import Client  # noqa: E402
 from harness.local_server import LocalServer, wait_compiled  # noqa: E402
 
@@ -33,6 +35,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--duration", type=float, default=6.0, help="seconds per round and server")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--requests", action="store_true", help="time short requests instead of many clients")
     ap.add_argument("--before-args", default="", help="more `linstream serve` options for the first server")
     ap.add_argument("--after-args", default="", help="... and for the second")
     a = ap.parse_args(argv)
@@ -48,6 +51,8 @@ def main(argv=None) -> None:
                 if wait_compiled(servers[name].url).get(a.model) not in ("compiled", None):
                     raise SystemExit(f"{servers[name].url}: the decode step did not compile")
         tps = {name: [] for name in servers}
+        if a.requests:
+            return _requests(a, servers)
         for r in range(a.rounds):
             for name, srv in (list(servers.items()) if r % 2 == 0 else list(servers.items())[::-1]):  # turns swap
                 lv = asyncio.run(cycles(srv.url, a.model, a.clients, a.duration, a.tokens))
@@ -59,6 +64,21 @@ def main(argv=None) -> None:
     finally:
         for srv in servers.values():
             srv.stop()
+
+
+def _requests(a, servers: dict) -> None:
+    keys = ("create_ms", "push_1_ms", "completion_1_ms", "healthz_ms")
+    got = {name: {k: [] for k in keys} for name in servers}
+    for r in range(a.rounds):
+        for name, srv in (list(servers.items()) if r % 2 == 0 else list(servers.items())[::-1]):
+            with Client(srv.url, timeout=120) as c:
+                res = requests(c, a.model, 30)
+            for k in keys:
+                got[name][k].append(res[k])
+            print(f"round {r + 1} {name:<6} " + "  ".join(f"{k} {res[k]:.3f}" for k in keys), flush=True)
+    for k in keys:
+        b, f = statistics.median(got["before"][k]), statistics.median(got["after"][k])
+        print(f"median {k}: before {b:.3f} ms, after {f:.3f} ms, after / before {f / b:.2f}")
 
 
 if __name__ == "__main__":
