@@ -18,7 +18,7 @@ linear, also row-exact); where a matmul has no template at all (one between two 
 in performer and rwkv) the step compiles with the BLAS instead (LEGACY) and small batches are padded
 to 4 rows, from which MKL's rows are exact.
 With `gemm="onednn"` (`--gemm onednn`, model/gemm.py) the projections run oneDNN's matmul over
-weights reordered once instead: ~2x faster from 16 rows up, ~1.7x slower at one row, and just as
+weights reordered once instead: ~2x faster from 16 rows up, ~2x slower at one row, and just as
 row-exact (small batches padded to 4 rows).
 The step is built with inductor's C++ wrapper (cpp_wrapper): one C++ call per step, which
 releases the GIL for its whole length, so a server's event loop runs beside the step on another

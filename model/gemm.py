@@ -6,10 +6,10 @@
 time (model/compiled.py). It streams the weights at one row about as fast as a GEMV, but its
 blocking is made for a few rows: the step's time triples from 4 rows to 8 and at 64 rows it runs
 ~80 GFLOP/s. "onednn" is oneDNN's matmul over weights reordered once into its blocked layout
-(`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`): its JIT kernels use this CPU's
-AVX-512 at any row count (MKL's do not on AMD parts: 5.6 ms for `linear`'s 21 matmuls at 64 rows
-against oneDNN's 2.2), so a batch-64 step is ~2x faster, but each call costs ~10 us more, which
-makes a one-row step ~1.7x slower. Measured with `python benchmarks/model_bench.py --step-only
+(`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`): its JIT kernels keep this CPU's
+AVX-512 busy at any row count (`linear`'s 21 matmuls at 64 rows: oneDNN 2.2 ms, ~200 GFLOP/s;
+MKL's sgemm 5.6 ms), so a batch-64 step is 1.7-2.1x faster, but each call costs ~10 us more,
+which makes a one-row step 1.8-2.2x slower. Measured with `python benchmarks/model_bench.py --step-only
 --threads 1 --gemm inductor onednn --step-batches 1 4 8 16 64`; the crossover is 4 to 8 rows.
 
 Both keep a row's bits independent of the batch it is in (every row through the same kernel and

@@ -70,7 +70,7 @@ class Settings(BaseSettings):
     # on = the same but a missing compiler is an error; off = eager only (model/compiled.py)
     compile: Literal["auto", "on", "off"] = "auto"
     # the compiled step's projections (model/gemm.py): inductor = its own GEMM template, fastest
-    # for 1-4 rows; onednn = oneDNN's matmul, ~2x faster from 16 rows up, ~1.7x slower for one.
+    # for 1-4 rows; onednn = oneDNN's matmul, ~2x faster from 16 rows up, ~2x slower for one.
     # Either keeps a row's tokens independent of the load (float32 CPU weights only)
     gemm: Literal["inductor", "onednn"] = "inductor"
     # where snapshots and every session's latest state live: memory, disk:PATH or redis://HOST:PORT/DB
