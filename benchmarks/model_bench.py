@@ -42,12 +42,12 @@ def bare_matmuls(model: LM, batch: int, steps: int, gemm: str = "blas") -> list[
     """Seconds per pass over every weight matmul of one decode step at `batch` rows, alone: the
     floor a step cannot beat (issue 13, goal 2). gemm "blas": torch.mm (MKL); "onednn": the
     oneDNN calls --gemm onednn makes (model/gemm.py), from Python."""
-    ws = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    xs = [torch.randn(batch, w.shape[1]) for w in ws]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = [torch.randn(batch, m.in_features) for m in linears]
     if gemm == "onednn":
-        fns = [OneDnnLinear(torch.nn.Linear(w.shape[1], w.shape[0], bias=False)) for w in ws]
+        fns = [OneDnnLinear(m) for m in linears]
     else:
-        fns = [lambda x, wt=w.t(): torch.mm(x, wt) for w in ws]
+        fns = [lambda x, wt=m.weight.t(): torch.mm(x, wt) for m in linears]
     out = []
     for i in range(5 + steps):
         t0 = time.perf_counter()

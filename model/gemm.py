@@ -13,7 +13,7 @@ which makes a one-row step 1.8-2.2x slower. Measured with `python benchmarks/mod
 --threads 1 --gemm inductor onednn --step-batches 1 4 8 16 64`; the crossover is 4 to 8 rows.
 
 Both keep a row's bits independent of the batch it is in (every row through the same kernel and
-order of additions; oneDNN's from 2 rows up, where the reorder is made for more than one row;
+order of additions; oneDNN's from 2 rows up, and the compiled step pads smaller batches to 4;
 tests/model/test_compiled.py), so a server's text does not depend on its load under either.
 The choice is per server, not per step: switching kernels with the batch size would change a
 row's low bits with the load.
