@@ -7,8 +7,10 @@ filters are vectorised over rows; only the one uniform draw per row comes from t
 
 `reference_probs` is the readable definition of what a token is drawn from; the sampler reaches
 the same tokens faster (issue 13: at 64 rows the full sort cost as much as the decode step):
-`logits_to_probs` gives the same probabilities bit for bit with numpy's sort, and rows without
-filters skip the sort altogether (`_draw_plain`). `benchmarks/sampling_bench.py` prints both.
+`logits_to_probs` gives the same probabilities bit for bit with numpy's sort, rows without
+filters skip the sort altogether (`_draw_plain`), and rows with top-k / top-p find the reference's
+own cut and draw over the kept tokens only (`_draw_filtered`). `benchmarks/sampling_bench.py`
+prints them against the reference.
 
 Shapes: B rows of the batch, V vocabulary; N the rows a helper is given (a subset of B).
 """
@@ -200,18 +202,26 @@ def _tail_bound(V: int) -> float:
 def _fast_draw(logits: Tensor, params: list[SamplingParams], temperature: Tensor, top_k: Tensor, top_p: Tensor,
                u: Tensor) -> Tensor:
     """reference_draw's tokens for rows `params` (none greedy), their parameters as tensors (R,):
-    rows without filters by _draw_plain, the others, and any row _draw_plain leaves undecided, by
-    reference_draw. Each row's token depends on its own logits and uniform only. -> (R,) int64"""
+    rows without filters by _draw_plain, rows with top-k or top-p by _draw_filtered (on the CPU),
+    and any row either leaves undecided by reference_draw. Each row's token depends on its own
+    logits and uniform only. -> (R,) int64"""
     R, V = logits.shape
     dev = logits.device
-    plain = [i for i, p in enumerate(params) if not 0 < p.top_k < V and p.top_p >= 1]
-    if not plain:
-        return reference_draw(logits, temperature, top_k, top_p, u)
     out = torch.empty(R, dtype=torch.long, device=dev)
     ok = torch.zeros(R, dtype=torch.bool, device=dev)  # rows drawn here; the others by the reference
-    idx = torch.tensor(plain, device=dev)
-    x = (logits if len(plain) == R else logits[idx]).float() / temperature[idx].clamp(min=1e-5)[:, None]
-    out[idx], ok[idx] = _draw_plain(x, u[idx])
+    plain = [i for i, p in enumerate(params) if not 0 < p.top_k < V and p.top_p >= 1]
+    filtered = sorted(set(range(R)) - set(plain))
+    if dev.type != "cpu" or len(filtered) < 4:  # a row or three: the reference's torch sort is as quick
+        filtered = []
+    for rows, draw in ((plain, _draw_plain), (filtered, _draw_filtered)):
+        if not rows:
+            continue
+        idx = torch.tensor(rows, device=dev)
+        x = (logits if len(rows) == R else logits[idx]).float() / temperature[idx].clamp(min=1e-5)[:, None]
+        if draw is _draw_plain:
+            out[idx], ok[idx] = _draw_plain(x, u[idx])
+        else:
+            out[idx], ok[idx] = _draw_filtered(x, top_k[idx], top_p[idx], u[idx])
     redo = (~ok).nonzero().squeeze(-1)
     if len(redo):
         out[redo] = reference_draw(logits[redo], temperature[redo], top_k[redo], top_p[redo], u[redo])
@@ -230,6 +240,68 @@ def _draw_plain(x: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     lo = torch.where(j > 0, cdf.gather(1, (j - 1).clamp(min=0)[:, None]).squeeze(-1), 0)
     margin = (_tail_bound(x.shape[-1]) + DRAW_EPS) * total
     return j, (target - lo > margin) & (hi - target > margin)
+
+
+FILTER_HEAD = 256  # ranks whose mass ahead _draw_filtered adds up; the whole row only where a cut lies past them
+
+
+def _draw_filtered(x: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows with top-k and/or top-p, x scaled by temperature (N, V) float32 on the CPU: the token
+    reference_draw gives, without its second softmax, masks and scatter over the whole vocabulary.
+
+    The cut is the reference's own float32: numpy's sort gives the ranked logits (those of
+    logits_to_probs), torch's softmax over them the probabilities the reference compares with p,
+    and their running mass over the first FILTER_HEAD ranks (a prefix of the full cumsum, the same
+    numbers) the ranks it keeps. The kept tokens are then the logits >= the last kept one, and the
+    draw walks their float64 CDF in vocabulary order. A row is left undecided where its cut falls
+    between equal logits (which one stays is torch.sort's choice), where rounding made the kept
+    ranks other than a prefix, or where u lands within DRAW_EPS of a boundary between two tokens.
+    -> tokens, decided (N,)"""
+    N, V = x.shape
+    r = np.arange(N)
+    xs = x.detach().numpy()
+    ranked = np.ascontiguousarray(np.sort(xs, axis=-1)[:, ::-1])  # (N, V), descending
+    k = torch.where((top_k > 0) & (top_k < V), top_k, V)
+    cut = ranked
+    if (k < V).any():
+        cut = np.where(np.arange(V)[None, :] >= k.numpy()[:, None], np.float32(-np.inf), ranked)
+    probs = torch.softmax(torch.from_numpy(cut), dim=-1)  # reference_probs' first softmax, bit for bit
+
+    def kept(rows: slice | Tensor, width: int) -> tuple[Tensor, Tensor]:
+        """How many of the first `width` ranks the reference keeps, and how many lead unbroken."""
+        head = probs[rows, :width]
+        keep = ((head.cumsum(-1) - head) < top_p[rows, None]) & (torch.arange(width)[None, :] < k[rows, None])
+        keep[:, 0] = True
+        return keep.sum(-1), keep.int().cumprod(-1).sum(-1)
+
+    H = min(V, FILTER_HEAD)
+    n, lead = kept(slice(None), H)
+    if H < V and (n == H).any():  # the cut may lie past the head: those rows whole
+        far = (n == H).nonzero().squeeze(-1)
+        n[far], lead[far] = kept(far, V)
+    c = (n - 1).numpy()  # the last rank kept
+    m = ranked[:, 0]
+    least = ranked[r, c]
+    ok = (n == lead).numpy() & np.isfinite(m) & ((c + 1 >= V) | (ranked[r, np.minimum(c + 1, V - 1)] < least))
+    keep_tokens = xs >= np.where(ok, least, m)[:, None]
+    keep_tokens[r, xs.argmax(-1)] = True  # every row keeps a token, even one of NaNs (undecided, and weighing 0)
+    # the kept tokens of all rows, row by row in vocabulary order, and one running mass through them
+    flat = np.flatnonzero(keep_tokens)
+    rows = flat // V
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = np.exp((xs.ravel()[flat] - m[rows]).astype(np.float64))
+    w[~np.isfinite(w)] = 0.0
+    cdf = np.cumsum(w)
+    ends = np.searchsorted(rows, r, side="right")
+    starts = np.concatenate(([0], ends[:-1]))
+    base = np.where(starts > 0, cdf[starts - 1], 0.0)
+    mass = cdf[ends - 1] - base
+    target = base + u.numpy().astype(np.float64) * mass
+    j = np.clip(np.searchsorted(cdf, target, side="left"), starts, ends - 1)
+    lo = np.where(j > starts, cdf[j - 1], base)
+    margin = DRAW_EPS * mass
+    ok &= (target - lo > margin) & (cdf[j] - target > margin)
+    return torch.from_numpy(flat[j] - rows[j] * V), torch.from_numpy(ok)
 
 
 class StopMatcher:

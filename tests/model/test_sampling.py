@@ -102,3 +102,45 @@ def test_greedy_rows_take_the_argmax_and_leave_their_generator_alone(B):
     gens = [p.generator() for p in params]
     assert torch.equal(sample(logits, params, gens), logits.argmax(-1))
     assert all(torch.equal(g.get_state(), params[0].generator().get_state()) for g in gens)
+
+
+def test_rows_with_filters_draw_the_reference_token_without_its_second_pass():
+    """_draw_filtered's decided rows are reference_draw's tokens: peaked and flat rows, cuts past
+    its head, top-k beyond the head, ties, -inf and NaN logits; it decides nearly all rows without ties."""
+    rng = random.Random(5)
+    decided = total = 0
+    for _ in range(40):
+        B = rng.choice([4, 16, 64])
+        g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+        x = torch.randn(B, V, generator=g) * rng.choice([0.3, 1.0, 3.0, 8.0])
+        ties = rng.random() < 0.25
+        if ties:  # few distinct logits: nearly every cut falls between equal ones, left to the reference
+            x = (x * 2).round() / 2
+        if rng.random() < 0.2:
+            x[:, :50] = float("-inf")
+        if rng.random() < 0.1:
+            x[0] = float("nan")
+        top_k = torch.tensor([rng.choice([0, 0, 1, 5, 40, 300, 1000, 5000]) for _ in range(B)])
+        top_p = torch.tensor([rng.choice([1.0, 0.99, 0.95, 0.9, 0.5, 0.1]) for _ in range(B)], dtype=torch.float32)
+        u = torch.rand(B, generator=g)
+        tokens, ok = sampling._draw_filtered(x, top_k, top_p, u)
+        want = sampling.reference_draw(x, torch.ones(B), top_k, top_p, u)
+        assert torch.equal(tokens[ok], want[ok])
+        if not ties:
+            decided, total = decided + int(ok.sum()), total + B
+    assert decided > 0.97 * total
+
+
+def test_a_filtered_row_leaves_ties_at_its_cut_and_boundary_draws_to_the_reference():
+    x = torch.zeros(4, V)
+    x[:, :10] = 1.0  # ten tied leaders
+    u = torch.full((4,), 0.35)
+    # top-k 4 cuts between the ties: which four stay is torch.sort's choice
+    _, ok = sampling._draw_filtered(x, torch.full((4,), 4), torch.ones(4), u)
+    assert not ok.any()
+    # top-k 10 keeps all ten: decided, and the fourth of them
+    tokens, ok = sampling._draw_filtered(x, torch.full((4,), 10), torch.ones(4), u)
+    assert ok.all() and (tokens == 3).all()
+    # u where the third token's mass ends: undecided
+    _, ok = sampling._draw_filtered(x, torch.full((4,), 10), torch.ones(4), torch.full((4,), 0.3))
+    assert not ok.any()
