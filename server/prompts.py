@@ -7,17 +7,21 @@ from .engine import Engine
 from .errors import APIError
 from .settings import Settings
 
+INLINE_CHARS = 256  # prompts up to this long are tokenized on the event loop
+
 
 async def tokens_of(eng: Engine, text: str | None, tokens: list[int] | None, cfg: Settings) -> list[int]:
-    """The ids of a prompt: text (bounded in bytes before it is tokenized, and tokenized off the
-    event loop so that a big prompt stalls nobody) or ids, checked against the vocabulary."""
+    """The ids of a prompt: text (bounded in bytes before it is tokenized, and past INLINE_CHARS
+    tokenized off the event loop so that a big prompt stalls nobody) or ids, checked against the
+    vocabulary."""
     if text is not None and tokens is not None:
         raise APIError(400, "invalid_request", "give either text/prompt or tokens, not both")
     if text is not None:
         cap = cfg.max_prompt_bytes
         if len(text) > cap or len(text.encode()) > cap:  # chars <= bytes: the first test is free
             raise APIError(413, "prompt_too_long", f"the prompt text exceeds max_prompt_bytes={cap} (UTF-8)")
-        ids = await asyncio.to_thread(eng.tok.encode, text)
+        # a short text costs less than the hop to a worker thread (~0.2 ms): ~0.05 ms per 256 chars
+        ids = eng.tok.encode(text) if len(text) <= INLINE_CHARS else await asyncio.to_thread(eng.tok.encode, text)
     else:
         ids = list(tokens or [])
     check_length(len(ids), cfg)

@@ -18,7 +18,7 @@ from .engine import Engine
 from .errors import APIError, not_found
 from .leases import Leases
 from .metrics import Metrics
-from .sessions import Session, SessionDamaged, Snapshot, decode_record, decode_tokens, encode_record
+from .sessions import INLINE_TAIL, Session, SessionDamaged, Snapshot, decode_record, decode_tokens, encode_record
 from .settings import Settings
 from .store import StoreError, StoreUnavailable
 
@@ -29,7 +29,7 @@ class Stored(NamedTuple):
     state: State
     start: int  # the history's first position
     tokens: list[int]  # the history
-    history_apart: bool  # the history is kept in hist/<id> (records written before carry it in the blob)
+    stored: int  # how many of the tokens hist/<id> holds (0 for records that carry them in the blob)
 
 
 class Records:
@@ -59,44 +59,50 @@ class Records:
         try:
             V = eng.model.cfg.vocab_size
             state, start, tokens = await asyncio.to_thread(session_from_bytes, blob, eng.empty, eng.model.fingerprint, V, None)
+            stored = 0
             if "history" in meta:
-                start, tokens = await self._read_history(sid, meta["history"])
+                start, tokens, stored = await self._read_history(sid, meta["history"])
                 check_history(state_position(state), start, tokens, V)
         except SnapshotHistoryMismatch as e:
             raise SessionDamaged(sid, "session_damaged", str(e), meta.get("owner")) from None
         except (SnapshotError, StoreError) as e:
             raise SessionDamaged(sid, "store_damaged", str(e), meta.get("owner")) from None
-        return Stored(meta, state, start, tokens, "history" in meta)
+        return Stored(meta, state, start, tokens, stored)
 
-    async def _read_history(self, sid: str, h: dict) -> tuple[int, list[int]]:
-        """The part of hist/<id> a record counts: its first `length` tokens, checked against the
-        record's sha256 (bytes past them are from a write whose record never followed)."""
+    async def _read_history(self, sid: str, h: dict) -> tuple[int, list[int], int]:
+        """The history a record counts: the first `length` tokens of hist/<id>, checked against
+        the record's sha256 (bytes past them are from a write whose record never followed), then
+        its tail. -> (start, tokens, how many of them are in hist/<id>)"""
         try:
             start, n, digest = int(h["start"]), int(h["length"]), str(h["sha256"])
+            tail = [int(t) for t in h.get("tail", [])]
         except (KeyError, TypeError, ValueError):
             raise SnapshotHistoryMismatch(f"the record's history field is malformed: {str(h)[:80]}") from None
-        raw = await self.store.get(f"hist/{sid}") or b""
+        raw = (await self.store.get(f"hist/{sid}") or b"") if n else b""
         if len(raw) < 4 * n:
             raise SnapshotHistoryMismatch(f"the record counts {n} history tokens, the store holds {len(raw) // 4}")
         data = raw[:4 * n]
         if hashlib.sha256(data).hexdigest() != digest:
             raise SnapshotHistoryMismatch("the stored history does not match the record's checksum")
-        return start, decode_tokens(data)
+        return start, decode_tokens(data) + tail, n
 
     async def write(self, s: Session, blob: bytes) -> None:
-        """Write the session in O(new tokens): first the history tokens the store lacks (offset
-        writes into hist/<id>), then the record. A crash between the two leaves a history longer
-        than the record counts; reads ignore the excess and the next write overwrites it. If the
-        store cannot be reached the session is marked dirty and StoreUnavailable goes on."""
+        """Write the session in O(new tokens): the record, carrying the tokens hist/<id> lacks as
+        its tail while they are at most INLINE_TAIL (one durable write); past that, first those
+        tokens (offset writes into hist/<id>), then the record. A crash between the two leaves a
+        history longer than the record counts; reads ignore the excess and the next write
+        overwrites it. If the store cannot be reached the session is marked dirty and
+        StoreUnavailable goes on."""
         n = len(s.tokens)
         ttl = self.settings.session_ttl or None
         try:
-            if n > s.stored or ttl:  # with a TTL, an empty write still renews the history's expiry
+            # with a TTL, every write renews the history's expiry (an empty write too), so it takes the tokens
+            if n - s.stored > INLINE_TAIL or ttl:
                 data = s.unstored(n)
                 # the history outlives its record by a minute, so a read never finds a record without it
                 await self.store.write_at(f"hist/{s.id}", 4 * s.stored, data, ttl and ttl + 60)
                 s.mark_stored(n, data)
-            await self.store.put(f"sess/{s.id}", encode_record({**s.meta(), "history": s.history_meta()}, blob), ttl)
+            await self.store.put(f"sess/{s.id}", encode_record({**s.meta(), "history": s.history_meta(n)}, blob), ttl)
             if self.leases:
                 s.version = await self.leases.bump(s.id)
         except StoreUnavailable:

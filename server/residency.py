@@ -59,7 +59,7 @@ class Residency:
         if s is None:
             s = Session(sid, meta["model"], None, meta["owner"], created_at=meta["created_at"],
                         last_used_at=meta["last_used_at"], state_bytes=got.state.row_nbytes())
-            s.adopt_history(got.start, got.tokens, got.history_apart)
+            s.adopt_history(got.start, got.tokens, got.stored)
             self.sessions[sid] = s
         return s
 
@@ -118,7 +118,7 @@ class Residency:
         if got is None:
             self.sessions.pop(s.id, None)
             raise not_found("session", s.id)
-        s.adopt_history(got.start, got.tokens, got.history_apart)
+        s.adopt_history(got.start, got.tokens, got.stored)
 
     async def release(self, s: Session) -> None:
         s.busy = False
@@ -136,7 +136,7 @@ class Residency:
         if got is None:
             self.sessions.pop(s.id, None)
             raise not_found("session", s.id)
-        s.adopt_history(got.start, got.tokens, got.history_apart)  # the record is the truth
+        s.adopt_history(got.start, got.tokens, got.stored)  # the record is the truth
         if self.leases:
             s.version = await self.leases.version(s.id)
         s.slot = await self._alloc(self.engines[s.model], got.state)

@@ -1,9 +1,13 @@
 """Sessions and snapshots: bookkeeping only. Tensors stay in the engine's slot pool.
 
 A session's durable form is two store values: its record `sess/<id>` (JSON metadata, the
-constant-size state blob, and the start, length and sha256 of the history the state covers) and
-its history `hist/<id>` (the tokens as little-endian int32, token i at byte 4*i, written by
-offset so that a request adds only its new tokens). A snapshot is one record whose blob carries
+constant-size state blob, the start, length and sha256 of the history's stored part, and the
+tokens after that part, at most INLINE_TAIL of them) and its history `hist/<id>` (the tokens as
+little-endian int32, token i at byte 4*i, written by offset so that a request adds only its new
+tokens). The history is the stored part followed by the record's tail. The tail saves a request
+the second durable write (a create's prompt, a push, a short generation each cost one fsync, not
+two): only when the tail would pass INLINE_TAIL are its tokens moved to `hist/<id>`, ahead of the
+record that counts them. A snapshot is one record whose blob carries
 the history itself (extras `history`, `history_start`), as a downloaded state blob does.
 """
 from __future__ import annotations
@@ -21,6 +25,7 @@ from .errors import APIError
 
 MAGIC = b"LSREC1"
 TOKEN = np.dtype("<i4")  # one history token in the store
+INLINE_TAIL = 256  # history tokens a record may carry after its stored part (~1.3 KB of JSON)
 
 
 def new_id(prefix: str) -> str:
@@ -49,11 +54,11 @@ class Session:
     def position(self) -> int:
         return self.history_start + len(self.tokens)
 
-    def adopt_history(self, start: int, tokens: list[int], stored: bool = True) -> None:
-        """Take the history read from the store; stored=False when it came from a record that
-        carried it in its blob (written before hist/<id>): the next persist writes all of it."""
-        self.tokens, self.history_start, self.stored = tokens, start, len(tokens) if stored else 0
-        self.stored_sha = hashlib.sha256(encode_tokens(tokens) if stored else b"")
+    def adopt_history(self, start: int, tokens: list[int], stored: int) -> None:
+        """Take the history read from the store, of which the first `stored` tokens are in
+        hist/<id> (0 for a record that carried it all in its blob, written before hist/<id>)."""
+        self.tokens, self.history_start, self.stored = tokens, start, stored
+        self.stored_sha = hashlib.sha256(encode_tokens(tokens[:stored]))
 
     def unstored(self, upto: int) -> bytes:
         return encode_tokens(self.tokens[self.stored:upto])
@@ -63,9 +68,11 @@ class Session:
         self.stored_sha.update(data)
         self.stored = upto
 
-    def history_meta(self) -> dict:
-        """What the record says of the history it covers: the stored prefix."""
-        return {"start": self.history_start, "length": self.stored, "sha256": self.stored_sha.hexdigest()}
+    def history_meta(self, upto: int) -> dict:
+        """What the record says of the history it covers, tokens[:upto]: the stored prefix, and
+        the tokens after it."""
+        return {"start": self.history_start, "length": self.stored, "sha256": self.stored_sha.hexdigest(),
+                "tail": self.tokens[self.stored:upto]}
 
     def meta(self) -> dict:
         return {"kind": "session", "id": self.id, "model": self.model, "owner": self.owner,

@@ -18,7 +18,7 @@ from safetensors.torch import save as st_save
 from model.lm import LM
 from model.state import _digest, _read_header, load_session, session_from_bytes
 from server.app import create_app
-from server.sessions import decode_record, encode_record
+from server.sessions import INLINE_TAIL, decode_record, encode_record
 from server.settings import Settings
 from server.store import GROWING_HEAD, DiskStore
 
@@ -206,30 +206,46 @@ def test_ids_ending_in_a_newline_are_404_and_name_no_file(served):
     assert not [p for p in store.rglob("*") if "\n" in p.name]
 
 
+def _history_parts(store: Path, sid: str) -> tuple[int, list[int], int]:
+    """(tokens hist/<id> counts per the record, the record's tail, hist/<id>'s size in bytes or 0)."""
+    meta, _ = decode_record(asyncio.run(DiskStore(store).get(f"sess/{sid}")))
+    hist = store / "hist" / sid
+    return meta["history"]["length"], meta["history"]["tail"], hist.stat().st_size if hist.exists() else 0
+
+
 def test_history_exact_and_each_request_writes_o_new_tokens(served, ckpt):
     c, store = served
     rng = random.Random(0)
     s = c.create("In fair Verona")
     sid, want = s["id"], c.tokens(s["id"])
     record = store / "sess" / sid
-    sizes = set()
-    for i in range(40):
-        ids = [rng.randrange(2048) for _ in range(rng.randint(1, 6))]
+    sizes, moved = set(), 0
+    for i in range(60):
+        ids = [rng.randrange(2048) for _ in range(rng.randint(1, 12))]
         assert c("POST", f"/v1/sessions/{sid}/push", json={"tokens": ids}).json()["position"] == len(want) + len(ids)
         want += ids
         if i % 8 == 0:
             want += c.greedy(sid, 3)
-        sizes.add(record.stat().st_size)  # the record: metadata + state, whatever the history's length,
-        # up to the digits of its numbers (position, time stamps)
-        assert (store / "hist" / sid).stat().st_size == GROWING_HEAD + 4 * len(want)  # the history: 4 bytes a token
-    assert max(sizes) - min(sizes) <= 32 and c.tokens(sid) == want
+        # the record: metadata + state + a tail of at most INLINE_TAIL tokens, whatever the
+        # history's length; the history's stored part: 4 bytes a token, written only when the
+        # tail would pass INLINE_TAIL
+        stored, tail, hist_bytes = _history_parts(store, sid)
+        assert len(tail) <= INLINE_TAIL and stored + len(tail) == len(want)
+        assert hist_bytes == (GROWING_HEAD + 4 * stored if stored else 0)
+        sizes.add(record.stat().st_size - len(json.dumps(tail)))
+        moved = max(moved, stored)
+    assert moved > 0  # the tail did pass INLINE_TAIL: the history went on in hist/<id>
+    assert max(sizes) - min(sizes) <= 32 and c.tokens(sid) == want  # up to the digits of its numbers
     blob = c("GET", f"/v1/sessions/{sid}/state").content  # a download carries the whole history
     model = LM.load(ckpt)
     _, start, tokens = load_session(blob, model.init_state(1), model.fingerprint, 2048)
     assert start == 0 and tokens.tolist() == want
     child = c("POST", f"/v1/sessions/{sid}/fork").json()
-    assert c.tokens(child["id"]) == want and (store / "hist" / child["id"]).stat().st_size == GROWING_HEAD + 4 * len(want)
-
+    stored, tail, hist_bytes = _history_parts(store, child["id"])
+    assert c.tokens(child["id"]) == want and stored == len(want) and not tail
+    assert hist_bytes == GROWING_HEAD + 4 * len(want)
+    c.restart()  # read back from the store alone: the stored part and the tail
+    assert c.tokens(sid) == want and c.tokens(child["id"]) == want
 
 
 def test_damaged_records_name_the_problem_and_can_be_deleted(served, ckpt):
@@ -246,9 +262,12 @@ def test_damaged_records_name_the_problem_and_can_be_deleted(served, ckpt):
         async def run():
             st = DiskStore(store)
             meta, blob = decode_record(await st.get(f"sess/{x['id']}"))
-            h = meta["history"]  # one token fewer than the state has consumed, with a checksum to match
-            h["length"] -= 1
-            h["sha256"] = hashlib.sha256((await st.get(f"hist/{x['id']}"))[:4 * h["length"]]).hexdigest()
+            h = meta["history"]  # one token fewer than the state has consumed (checksums to match)
+            if h["tail"]:
+                h["tail"].pop()
+            else:
+                h["length"] -= 1
+                h["sha256"] = hashlib.sha256((await st.get(f"hist/{x['id']}"))[:4 * h["length"]]).hexdigest()
             await st.put(f"sess/{x['id']}", encode_record(meta, blob))
         asyncio.run(run())
         path = store / "sess" / w["id"]
@@ -323,13 +342,42 @@ async def test_records_written_before_the_history_split_still_load(app):
         session = rt.sessions.pop(s["id"])
         meta = {k: v for k, v in decode_record(rt.store.data[f"sess/{s['id']}"][0])[0].items() if k != "history"}
         rt.store.data[f"sess/{s['id']}"] = (encode_record(meta, await rt.state_blob(session)), None)
-        del rt.store.data[f"hist/{s['id']}"]
+        rt.store.data.pop(f"hist/{s['id']}", None)
         assert (await c.get(f"/v1/sessions/{s['id']}/history")).json()["tokens"] == session.tokens
         r = await c.post(f"/v1/sessions/{s['id']}/push", json={"tokens": [5]})
         assert r.status_code == 200 and r.json()["position"] == s["position"] + 1
-        assert decode_record(rt.store.data[f"sess/{s['id']}"][0])[0]["history"]["length"] == s["position"] + 1
-        rt.sessions.pop(s["id"])  # now in the new layout: the whole history went to hist/<id>
+        h = decode_record(rt.store.data[f"sess/{s['id']}"][0])[0]["history"]
+        assert h["length"] + len(h["tail"]) == s["position"] + 1
+        rt.sessions.pop(s["id"])  # now in the new layout: the history in the record's tail (and hist/<id>)
         assert (await c.get(f"/v1/sessions/{s['id']}/history")).json()["tokens"] == session.tokens + [5]
+
+
+@pytest.mark.asyncio
+async def test_a_short_request_makes_one_durable_write(app):
+    """A create with a prompt and a short push each write one store value, the record carrying
+    their tokens as its tail; once the tail would pass INLINE_TAIL its tokens go to hist/<id>
+    first, and the history reads back whole from both parts."""
+    async with app.router.lifespan_context(app), await _client(app) as c:
+        rt = app.state.runtime
+        writes = []
+        for name in ("put", "write_at"):
+            real = getattr(rt.store, name)
+            setattr(rt.store, name, lambda key, *a, _real=real, **k: writes.append(key.split("/")[0]) or _real(key, *a, **k))
+        s = (await c.post("/v1/sessions", json={"prompt": "Good morrow"})).json()
+        assert writes == ["sess"]
+        writes.clear()
+        r = await c.post(f"/v1/sessions/{s['id']}/push", json={"tokens": [1, 2, 3]})
+        assert r.status_code == 200 and writes == ["sess"]
+        writes.clear()
+        big = list(range(INLINE_TAIL))
+        r = await c.post(f"/v1/sessions/{s['id']}/push", json={"tokens": big})
+        assert r.status_code == 200 and writes == ["hist", "sess"]
+        h = decode_record(rt.store.data[f"sess/{s['id']}"][0])[0]["history"]
+        assert h["length"] == s["position"] + 3 + INLINE_TAIL and h["tail"] == []
+        want = (await c.get(f"/v1/sessions/{s['id']}/history")).json()["tokens"]
+        await c.post(f"/v1/sessions/{s['id']}/push", json={"tokens": [4]})
+        rt.sessions.pop(s["id"])  # read back from the store: hist/<id>'s part, then the tail
+        assert (await c.get(f"/v1/sessions/{s['id']}/history")).json()["tokens"] == want + [4]
 
 
 class PoisonSecondChunk:
