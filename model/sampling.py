@@ -207,21 +207,19 @@ def _fast_draw(logits: Tensor, params: list[SamplingParams], temperature: Tensor
     logits and uniform only. -> (R,) int64"""
     R, V = logits.shape
     dev = logits.device
-    out = torch.empty(R, dtype=torch.long, device=dev)
-    ok = torch.zeros(R, dtype=torch.bool, device=dev)  # rows drawn here; the others by the reference
     plain = [i for i, p in enumerate(params) if not 0 < p.top_k < V and p.top_p >= 1]
     filtered = sorted(set(range(R)) - set(plain))
     if dev.type != "cpu" or len(filtered) < 4:  # a row or three: the reference's torch sort is as quick
         filtered = []
-    for rows, draw in ((plain, _draw_plain), (filtered, _draw_filtered)):
-        if not rows:
-            continue
-        idx = torch.tensor(rows, device=dev)
-        x = (logits if len(rows) == R else logits[idx]).float() / temperature[idx].clamp(min=1e-5)[:, None]
-        if draw is _draw_plain:
-            out[idx], ok[idx] = _draw_plain(x, u[idx])
-        else:
-            out[idx], ok[idx] = _draw_filtered(x, top_k[idx], top_p[idx], u[idx])
+    if not plain and not filtered:
+        return reference_draw(logits, temperature, top_k, top_p, u)
+    out = torch.empty(R, dtype=torch.long, device=dev)
+    ok = torch.zeros(R, dtype=torch.bool, device=dev)  # rows drawn here; the others by the reference
+    for rows, filters in ((plain, False), (filtered, True)):
+        if rows:
+            idx = torch.tensor(rows, device=dev)
+            x = (logits if len(rows) == R else logits[idx]).float() / temperature[idx].clamp(min=1e-5)[:, None]
+            out[idx], ok[idx] = _draw_filtered(x, top_k[idx], top_p[idx], u[idx]) if filters else _draw_plain(x, u[idx])
     redo = (~ok).nonzero().squeeze(-1)
     if len(redo):
         out[redo] = reference_draw(logits[redo], temperature[redo], top_k[redo], top_p[redo], u[redo])
