@@ -199,12 +199,14 @@ class State:
     def to_bytes(self, fingerprint: str, extra: dict[str, Tensor] | None = None) -> bytes:
         """One session's state as a safetensors blob with a self-describing header. `extra`
         tensors (e.g. the server's token history) travel along as `extra.<name>`."""
-        s = self.compact()  # a blob is read on the host, whatever device the state lives on
-        tensors = {f"layers.{i}.{n}": t.contiguous().cpu() for i, layer in enumerate(s.layers) for n, t in layer.items()}
-        tensors["next_logits"] = s.next_logits.contiguous().cpu()
+        assert self.batch == 1
+        p = int(self.position[0])  # KV caches up to the position (views: the bytes are copied once, into the blob)
+        tensors = {f"layers.{i}.{n}": self._trimmed(i, n, t, p).contiguous().cpu()
+                   for i, layer in enumerate(self.layers) for n, t in layer.items()}
+        tensors["next_logits"] = self.next_logits.contiguous().cpu()  # a blob is read on the host
         tensors.update({f"extra.{k}": v.contiguous() for k, v in (extra or {}).items()})
         meta = {"format": FORMAT, "version": str(VERSION), "fingerprint": fingerprint,
-                "position": str(int(s.position[0])), "dtype": str(next(iter(tensors.values())).dtype),
+                "position": str(p), "dtype": str(next(iter(tensors.values())).dtype),
                 "shapes": json.dumps({k: list(t.shape) for k, t in tensors.items()}, sort_keys=True)}
         meta["sha256"] = _digest(tensors, meta)
         return st_save(tensors, metadata=meta)
@@ -348,7 +350,8 @@ def _digest(tensors: dict[str, Tensor], meta: dict[str, str]) -> str:
     for k in sorted(tensors):
         t = tensors[k]
         h.update(f"{k}:{t.dtype}:{list(t.shape)};".encode())
-        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(t.contiguous().view(-1).view(torch.uint8).numpy())  # the buffer itself, not a copy of it
     return h.hexdigest()
 
 
