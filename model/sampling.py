@@ -243,6 +243,33 @@ def _draw_plain(x: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
 FILTER_HEAD = 256  # ranks whose mass ahead _draw_filtered adds up; the whole row only where a cut lies past them
 
 
+def _cut(xs: np.ndarray, top_k: Tensor, top_p: Tensor) -> tuple[np.ndarray, Tensor, Tensor]:
+    """The ranks reference_probs keeps of rows xs (N, V) float32 (scaled by temperature), from its
+    own float32 numbers. -> (the ranked logits (N, V) descending, how many ranks each row keeps,
+    how many of them lead unbroken (the same, unless rounding made the kept ranks other than a
+    prefix))"""
+    V = xs.shape[-1]
+    ranked = np.ascontiguousarray(np.sort(xs, axis=-1)[:, ::-1])  # logits_to_probs' sorted logits
+    k = torch.where((top_k > 0) & (top_k < V), top_k, V)
+    cut = ranked
+    if (k < V).any():
+        cut = np.where(np.arange(V)[None, :] >= k.numpy()[:, None], np.float32(-np.inf), ranked)
+    probs = torch.softmax(torch.from_numpy(cut), dim=-1)  # reference_probs' first softmax, bit for bit
+
+    def kept(rows: slice | Tensor, width: int) -> tuple[Tensor, Tensor]:
+        head = probs[rows, :width]
+        keep = ((head.cumsum(-1) - head) < top_p[rows, None]) & (torch.arange(width)[None, :] < k[rows, None])
+        keep[:, 0] = True
+        return keep.sum(-1), keep.int().cumprod(-1).sum(-1)
+
+    H = min(V, FILTER_HEAD)
+    n, lead = kept(slice(None), H)
+    if H < V and (n == H).any():  # the cut may lie past the head: those rows whole
+        far = (n == H).nonzero().squeeze(-1)
+        n[far], lead[far] = kept(far, V)
+    return ranked, n, lead
+
+
 def _draw_filtered(x: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     """Rows with top-k and/or top-p, x scaled by temperature (N, V) float32 on the CPU: the token
     reference_draw gives, without its second softmax, masks and scatter over the whole vocabulary.
@@ -258,25 +285,7 @@ def _draw_filtered(x: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor) -> tuple[
     N, V = x.shape
     r = np.arange(N)
     xs = x.detach().numpy()
-    ranked = np.ascontiguousarray(np.sort(xs, axis=-1)[:, ::-1])  # (N, V), descending
-    k = torch.where((top_k > 0) & (top_k < V), top_k, V)
-    cut = ranked
-    if (k < V).any():
-        cut = np.where(np.arange(V)[None, :] >= k.numpy()[:, None], np.float32(-np.inf), ranked)
-    probs = torch.softmax(torch.from_numpy(cut), dim=-1)  # reference_probs' first softmax, bit for bit
-
-    def kept(rows: slice | Tensor, width: int) -> tuple[Tensor, Tensor]:
-        """How many of the first `width` ranks the reference keeps, and how many lead unbroken."""
-        head = probs[rows, :width]
-        keep = ((head.cumsum(-1) - head) < top_p[rows, None]) & (torch.arange(width)[None, :] < k[rows, None])
-        keep[:, 0] = True
-        return keep.sum(-1), keep.int().cumprod(-1).sum(-1)
-
-    H = min(V, FILTER_HEAD)
-    n, lead = kept(slice(None), H)
-    if H < V and (n == H).any():  # the cut may lie past the head: those rows whole
-        far = (n == H).nonzero().squeeze(-1)
-        n[far], lead[far] = kept(far, V)
+    ranked, n, lead = _cut(xs, top_k, top_p)
     c = (n - 1).numpy()  # the last rank kept
     m = ranked[:, 0]
     least = ranked[r, c]

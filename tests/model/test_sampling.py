@@ -144,3 +144,18 @@ def test_a_filtered_row_leaves_ties_at_its_cut_and_boundary_draws_to_the_referen
     # u where the third token's mass ends: undecided
     _, ok = sampling._draw_filtered(x, torch.full((4,), 10), torch.ones(4), torch.full((4,), 0.3))
     assert not ok.any()
+
+
+def test_the_filtered_cut_keeps_the_ranks_the_reference_keeps():
+    """_cut's count of kept ranks is reference_probs' count of tokens with probability > 0, row
+    for row (logits spread enough that no kept token's probability underflows)."""
+    rng = random.Random(6)
+    for _ in range(30):
+        B = rng.choice([4, 16, 64])
+        g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+        x = torch.randn(B, V, generator=g) * rng.choice([0.3, 1.0, 3.0, 8.0])
+        top_k = torch.tensor([rng.choice([0, 0, 1, 5, 40, 300, 1000, 5000]) for _ in range(B)])
+        top_p = torch.tensor([rng.choice([1.0, 0.99, 0.95, 0.9, 0.5, 0.1]) for _ in range(B)], dtype=torch.float32)
+        _, n, lead = sampling._cut(x.numpy(), top_k, top_p)
+        want = (reference_probs(x, torch.ones(B), top_k, top_p) > 0).sum(-1)
+        assert torch.equal(n, want) and torch.equal(lead, n)
