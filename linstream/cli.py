@@ -41,7 +41,7 @@ def serve(
     max_sessions: Annotated[Optional[int], typer.Option(
         help=f"sessions in memory per recurrent model {_default('max_sessions')}")] = None,
     threads: Annotated[Optional[int], typer.Option(
-        help=f"torch threads, 0 = torch's default {_default('threads')}")] = None,
+        help=f"torch threads, 0 = one fewer than the CPUs (the event loop keeps one) {_default('threads')}")] = None,
     store: Annotated[Optional[str], typer.Option(
         help=f"memory | disk:PATH | redis://HOST:PORT/DB {_default('store')}")] = None,
     session_ttl: Annotated[Optional[float], typer.Option(

@@ -65,7 +65,9 @@ class Settings(BaseSettings):
     # its new part (prefix_cache.py); a byte budget over all models, LRU; 0 = off
     prefix_cache_bytes: int = 256 << 20
     prefix_cache_shared: bool = False  # one cache for every API key (single tenant); else one per key
-    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    # torch intra-op threads; 0 = auto: one fewer than the CPUs this process may run on, at least
+    # one (the event loop keeps a core: see server/loading.py)
+    threads: int = Field(default=0, ge=0)
     # decode step: auto = compiled (inductor) once warm, eager meanwhile and without a C++ compiler;
     # on = the same but a missing compiler is an error; off = eager only (model/compiled.py)
     compile: Literal["auto", "on", "off"] = "auto"

@@ -49,3 +49,19 @@ def test_gemm_onednn_needs_float32_cpu_weights():
             Settings(gemm="onednn", **bad)
     with pytest.raises(ValueError):
         Settings(gemm="mkl")
+
+
+def test_threads_default_leaves_the_event_loop_a_core(monkeypatch):
+    import os
+
+    from server.loading import auto_threads
+    from server.settings import Settings
+    assert Settings().threads == 0
+    with pytest.raises(ValueError):
+        Settings(threads=-1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert auto_threads() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert auto_threads() == 15
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert auto_threads() == 1
