@@ -9,6 +9,7 @@ the same graph would save (issue 13, goals 1 and 3): one run, one thread, interl
             the Stepper's inductor settings (frozen weights, its own GEMM template), called
             through the package's runner on the same two rows
 
+(each the best of interleaved rounds, lowp_matmul.best_us)
 and the largest difference of its logits from the eager step's. The AOTInductor form is not
 served: it is what this measures.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,10 +27,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model import WEIGHTS
-from model.compiled import PACKED, Stepper
-from model.generate import decode_one_token
-from model.lm import LM
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.lowp_matmul import best_us  # noqa: E402
+from model import WEIGHTS  # noqa: E402
+from model.compiled import PACKED, Stepper  # noqa: E402
+from model.generate import decode_one_token  # noqa: E402
+from model.lm import LM  # noqa: E402
 
 
 class FlatStep(nn.Module):
@@ -45,21 +48,6 @@ class FlatStep(nn.Module):
             layers[i][k] = t
         logits, new = self.lm.step_layers(tokens, layers, position)
         return (logits, *[new[i][k] for i, k in self.names])
-
-
-def per_call_ms(fns: dict, n: int = 300, rounds: int = 5) -> dict[str, float]:
-    """Median over `rounds` interleaved rounds of the mean ms per call of `n` calls."""
-    got = {k: [] for k in fns}
-    for f in fns.values():
-        for _ in range(20):
-            f()
-    for _ in range(rounds):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(n):
-                f()
-            got[k].append((time.perf_counter() - t0) / n * 1e3)
-    return {k: statistics.median(v) for k, v in got.items()}
 
 
 def measure(name: str, pkg_dir: Path) -> dict:
@@ -85,9 +73,10 @@ def measure(name: str, pkg_dir: Path) -> dict:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 stepper.compiled(tokens, two.layers, two.position)
 
-        ms = per_call_ms({"stepper": lambda: decode_one_token(stepper, torch.tensor([5]), one, [0]),
-                          "compiled": compiled,
-                          "aoti": lambda: runner(tokens, position, *flat)})
+        us = best_us({"stepper": lambda: decode_one_token(stepper, torch.tensor([5]), one, [0]),
+                      "compiled": compiled,
+                      "aoti": lambda: runner(tokens, position, *flat)})
+        ms = {k: v / 1e3 for k, v in us.items()}
         fresh = lm.init_state(2)
         want, _ = lm.step(tokens, fresh.clone())
         got = runner(tokens, fresh.position.clone(), *[t.clone() for layer in fresh.layers for t in layer.values()])[0]

@@ -23,7 +23,7 @@ SWITCH_INTERVAL_S = 0.0005
 def auto_threads() -> int:
     """torch threads for `threads = 0`: one fewer than the CPUs this process may run on, at least
     one. torch's own default is every CPU, and then the step's OpenMP threads contend with the
-    event loop for the same cores: on a 2-core machine one stream's median gap was 4.2-6.0 ms with
+    event loop for the same cores: on a 2-core machine one stream's median gap was 4.2-6.6 ms with
     two torch threads against 1.0-1.1 ms with one, and a 1-token push's prefill 5-8 ms against 1.1."""
     try:
         cpus = len(os.sched_getaffinity(0))
