@@ -57,6 +57,9 @@ def serve(
     gemm: Annotated[Optional[str], typer.Option(
         help=f"inductor | onednn: the compiled step's matmuls; inductor is fastest for 1-4 streams, onednn ~2x "
              f"faster from 16 (model/gemm.py) {_default('gemm')}")] = None,
+    step_runtime: Annotated[Optional[str], typer.Option(
+        help=f"aoti | dynamo: the compiled step built ahead of time into a library (model/aot.py), or "
+             f"torch.compile's function {_default('step_runtime')}")] = None,
     prefix_cache_bytes: Annotated[Optional[int], typer.Option(
         help=f"bytes of OpenAI requests' prefix states kept, so a re-sent conversation prefills only its new part "
              f"(0 = off) {_default('prefix_cache_bytes')}")] = None,
@@ -79,6 +82,8 @@ def serve(
         raise typer.BadParameter("use auto, on or off", param_hint="--compile")
     if gemm not in (None, "inductor", "onednn"):
         raise typer.BadParameter("use inductor or onednn", param_hint="--gemm")
+    if step_runtime not in (None, "aoti", "dynamo"):
+        raise typer.BadParameter("use aoti or dynamo", param_hint="--step-runtime")
     import uvicorn
 
     import logging
@@ -93,7 +98,7 @@ def serve(
     given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
              "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl,
              "max_connections": max_connections, "names": name, "device": device, "dtype": dtype, "weights": weights,
-             "compile": compile, "gemm": gemm,
+             "compile": compile, "gemm": gemm, "step_runtime": step_runtime,
              "prefix_cache_bytes": prefix_cache_bytes, "prefix_cache_shared": prefix_cache_shared}
     settings = Settings(**{k: v for k, v in given.items() if v is not None and v != []})
     app = create_app(settings)

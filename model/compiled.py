@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .aot import AotStep
 from .gemm import GEMMS, onednn_twin
 from .lm import LM
 from .state import State
@@ -61,6 +62,9 @@ ONEDNN = ({"freezing": True, "cpp_wrapper": True}, 4)
 MAX_ROWS = 1 << 16  # the symbolic batch dim needs an upper bound; far above any max_batch
 CACHE_DIR = Path.home() / ".cache" / "linstream" / "compile"
 MODES = ("auto", "on", "off")
+# how the compiled step is called: aoti = built ahead of time into a library called through its C
+# interface (model/aot.py), falling back to dynamo where that fails; dynamo = torch.compile's function
+RUNTIMES = ("aoti", "dynamo")
 # inductor's settings are process-wide: two models compiling at once would reset each other's
 _COMPILING = threading.Lock()
 
@@ -77,12 +81,14 @@ class Stepper:
     """Decode steps for one model: compiled once warm, eager before that and for pinned rows."""
 
     def __init__(self, model: LM, mode: str = "auto", cache_dir: str | Path | None = None, background: bool = True,
-                 gemm: str = "inductor"):
+                 gemm: str = "inductor", runtime: str = "aoti"):
         if mode not in MODES:
             raise ValueError(f"compile mode {mode!r}: expected one of {', '.join(MODES)}")
         if gemm not in GEMMS:
             raise ValueError(f"gemm {gemm!r}: expected one of {', '.join(GEMMS)}")
-        self.model, self.gemm = model, gemm
+        if runtime not in RUNTIMES:
+            raise ValueError(f"step runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
+        self.model, self.gemm, self.runtime = model, gemm, runtime
         self.compiled = None  # the compiled step once warm
         self.warm_s: float | None = None  # seconds the compile took (cache hits make it short)
         self.pinned: dict[int, int] = {}  # slot -> next position, for rows that began eagerly
@@ -134,20 +140,29 @@ class Stepper:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # frozen weights are constants: the template packs them only if nothing asks for their grads
         self.model.requires_grad_(False)
-        first = (("onednn", onednn_twin(self.model), ONEDNN) if self.gemm == "onednn"
-                 else ("packed", self.model, (PACKED, MIN_ROWS)))
-        for kernels, model, (options, min_rows) in (first, ("blas", self.model, LEGACY)):
+        # the packed GEMMs only are built ahead of time: oneDNN's and the BLAS's calls go through
+        # torch's own ops, which a library of ours would have to reach through AOTInductor's shims
+        tries = ([("onednn", "dynamo", onednn_twin(self.model), ONEDNN)] if self.gemm == "onednn" else
+                 [("packed", runtime, self.model, (PACKED, MIN_ROWS))
+                  for runtime in RUNTIMES[RUNTIMES.index(self.runtime):]])
+        for kernels, runtime, model, (options, min_rows) in tries + [("blas", "dynamo", self.model, LEGACY)]:
             try:
-                fn = self._compile(model, options, min_rows)
+                fn = self._aot(model, options, min_rows) if runtime == "aoti" else self._compile(model, options, min_rows)
                 break
             except Exception:
-                log.exception("compiling the decode step with %s kernels failed", kernels)
+                log.exception("compiling the decode step with %s kernels (%s) failed", kernels, runtime)
         else:
             log.error("serving eagerly")
             return
-        self.min_rows, self.kernels = min_rows, kernels
+        self.min_rows, self.kernels, self.runtime = min_rows, kernels, runtime
         self.compiled, self.warm_s = fn, time.perf_counter() - t0
-        log.info("compiled decode step ready in %.1f s (%s matmuls)", self.warm_s, kernels)
+        log.info("compiled decode step ready in %.1f s (%s matmuls, %s)", self.warm_s, kernels, runtime)
+
+    def _aot(self, model: LM, options: dict, min_rows: int) -> AotStep:
+        # AOTInductor's generated code is C++ throughout: cpp_wrapper is not one of its settings
+        options = {k: v for k, v in options.items() if k != "cpp_wrapper"}
+        with _COMPILING:
+            return AotStep.build(model, options, min_rows, MAX_ROWS, Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "aoti")
 
     def _compile(self, model: LM, options: dict, min_rows: int):
         fn = torch.compile(model.step_layers, fullgraph=True)
@@ -235,6 +250,11 @@ class Stepper:
             tokens, position, *rest = self._scratch
             it = iter(rest)
             layers = [{n: next(it) for n in layer} for layer in layers]
+        if self.runtime == "aoti":  # no guards: what it is handled is checked above
+            logits, new = self.compiled(tokens.contiguous(), layers, position)
+            if B < self.min_rows:
+                logits, new = logits[:B], [{n: t[:B] for n, t in layer.items()} for layer in new]
+            return logits, State(new, state.position + 1, state.time_dims, logits)
         # The inputs are what the graph was compiled for (_fits, the padding above), so dynamo's
         # guards need not be checked on every call, only those that tell this model's entry from
         # other models' (skip_guard_eval_unsafe): ~0.03 ms of a ~0.3 ms batch-1 step

@@ -53,5 +53,5 @@ def load_engines(settings: Settings, metrics: Metrics) -> dict[str, Engine]:
         slots = settings.max_kv_sessions if kv else settings.max_sessions
         engines[served] = Engine(served, model, tok, slots, settings.prefill_chunk, settings.max_batch,
                                  metrics, settings.lookahead, settings.compile, settings.prefill_share,
-                                 settings.gemm)
+                                 settings.gemm, settings.step_runtime)
     return engines

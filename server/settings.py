@@ -75,6 +75,10 @@ class Settings(BaseSettings):
     # for 1-4 rows; onednn = oneDNN's matmul, ~2x faster from 16 rows up, ~2x slower for one.
     # Either keeps a row's tokens independent of the load (float32 CPU weights only)
     gemm: Literal["inductor", "onednn"] = "inductor"
+    # how the compiled step is called: aoti = built ahead of time by AOTInductor into a library
+    # called with the GIL released (model/aot.py; built once, kept in the compile cache), falling
+    # back to dynamo where that build fails; dynamo = torch.compile's function
+    step_runtime: Literal["aoti", "dynamo"] = "aoti"
     # where snapshots and every session's latest state live: memory, disk:PATH or redis://HOST:PORT/DB
     store: str = Field(default_factory=lambda: "disk:" + str(Path.home() / ".cache" / "linstream" / "store"))
     # disk store: changes are refused (503) while fewer bytes than this are free on its file system

@@ -314,7 +314,8 @@ def model_card(rt, name: str, e: Engine) -> dict:
             "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens, "max_prompt_tokens": cfg.max_prompt_tokens,
             "max_new_tokens": cfg.max_new_tokens, "state_bytes": e.empty.row_nbytes(0), **footprint(e.model),
             "weights": cfg.weights, "decode_step": e.stepper.status,
-            "step_kernels": e.stepper.kernels if e.stepper.status == "compiled" else None}
+            "step_kernels": e.stepper.kernels if e.stepper.status == "compiled" else None,
+            "step_runtime": e.stepper.runtime if e.stepper.status == "compiled" else None}
 
 
 @router.get("/models")

@@ -5,7 +5,8 @@ import threading
 import pytest
 import torch
 
-from model.compiled import MIN_ROWS, ONEDNN, Stepper, compiler_missing
+from model.aot import AotStep, library_key
+from model.compiled import MAX_ROWS, MIN_ROWS, ONEDNN, PACKED, Stepper, compiler_missing
 from model.config import PRESETS
 from model.lm import LM
 from model.state import State
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.skipif(compiler_missing() is not None, reason="no C++ c
 
 FAST = ["tiny-linear", "tiny-mamba"]  # each compile costs ~10-20 s on two cores; the rest are slow
 SLOW = ["tiny-performer", "tiny-retnet", "tiny-gla", "tiny-rwkv"]
-_steppers: dict[str, Stepper] = {}
+_steppers: dict[tuple[str, str, str], Stepper] = {}
 
 
 @pytest.fixture(autouse=True)
@@ -29,14 +30,15 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def stepper(preset: str, gemm: str = "inductor") -> Stepper:
-    """One compiled stepper per preset and gemm for the whole run (compiling is the expensive part)."""
-    if (preset, gemm) not in _steppers:
+def stepper(preset: str, gemm: str = "inductor", runtime: str = "aoti") -> Stepper:
+    """One compiled stepper per preset, gemm and runtime for the whole run (compiling is the
+    expensive part)."""
+    if (preset, gemm, runtime) not in _steppers:
         torch.manual_seed(0)
-        s = Stepper(LM(PRESETS[preset]).eval(), "on", background=False, gemm=gemm)
+        s = Stepper(LM(PRESETS[preset]).eval(), "on", background=False, gemm=gemm, runtime=runtime)
         assert s.wait(), "the step did not compile"
-        _steppers[preset, gemm] = s
-    return _steppers[preset, gemm]
+        _steppers[preset, gemm, runtime] = s
+    return _steppers[preset, gemm, runtime]
 
 
 def held(model: LM) -> tuple[Stepper, threading.Event]:
@@ -72,14 +74,17 @@ def test_compiled_equals_eager(preset, gemm):
         assert torch.equal(gnew.position, wnew.position)
 
 
-@pytest.mark.parametrize("gemm,kernels", [("inductor", ("packed", MIN_ROWS)), ("onednn", ("onednn", ONEDNN[1]))])
-@pytest.mark.parametrize("preset", FAST)
-def test_compiled_rows_do_not_depend_on_the_batch(preset, gemm, kernels):
+@pytest.mark.parametrize("preset,gemm,runtime,kernels",
+                         [(p, "inductor", "aoti", ("packed", MIN_ROWS, "aoti")) for p in FAST]
+                         + [(p, "onednn", "aoti", ("onednn", ONEDNN[1], "dynamo")) for p in FAST]
+                         + [("tiny-linear", "inductor", "dynamo", ("packed", MIN_ROWS, "dynamo"))])
+def test_compiled_rows_do_not_depend_on_the_batch(preset, gemm, runtime, kernels):
     """Bit-identical logits and states for a row stepped alone, in a small padded batch, in any
     symbolic batch size, at any place in the batch: every projection runs one kernel (inductor's
-    packed GEMM template, or oneDNN's matmul) whatever the batch."""
-    st = stepper(preset, gemm)
-    assert (st.kernels, st.min_rows) == kernels, "the step fell back to the BLAS"
+    packed GEMM template, or oneDNN's matmul) whatever the batch, built ahead of time (AOTInductor,
+    the default) or by torch.compile."""
+    st = stepper(preset, gemm, runtime)
+    assert (st.kernels, st.min_rows, st.runtime) == kernels, "the step fell back to other kernels or runtime"
     model = st.model
     state = random_state(model, 70)
     tokens = torch.randint(0, model.cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(3))
@@ -175,6 +180,42 @@ def test_modes(monkeypatch, caplog):
         Stepper(LM(PRESETS["tiny-linear"]).eval(), "on")
 
 
+def test_the_library_is_its_own_cache(caplog, tmp_path):
+    """A second stepper of the same weights loads the built library (named by a hash of the
+    weights, settings, torch and CPU) instead of building it; other weights build their own."""
+    st = stepper("tiny-linear")
+    assert st.runtime == "aoti" and st.compiled.library.exists()
+    with caplog.at_level("INFO", logger="linstream.compiled"):
+        again = Stepper(st.model, "on", background=False)
+    assert "from the cache" in caplog.text and again.compiled.library == st.compiled.library
+    assert again.warm_s < 5, again.warm_s
+    state = random_state(st.model, 3)
+    a, na = st(torch.arange(3), state.clone())
+    b, nb = again(torch.arange(3), state.clone())
+    assert torch.equal(a, b) and all(torch.equal(x[n], y[n]) for x, y in zip(na.layers, nb.layers) for n in x)
+    other = LM(PRESETS["tiny-linear"]).eval()
+    with torch.no_grad():
+        other.head.weight.add_(1e-3)
+    other.requires_grad_(False)
+    assert library_key(other, PACKED, MIN_ROWS, MAX_ROWS) != library_key(st.model, PACKED, MIN_ROWS, MAX_ROWS)
+
+
+def test_a_failed_build_falls_back_to_dynamo(monkeypatch, caplog):
+    """Where the ahead-of-time build fails, the step is compiled by torch.compile with the same
+    kernels, with a log line saying why."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("no export for this model")
+    monkeypatch.setattr(AotStep, "build", broken)
+    torch.manual_seed(0)
+    with caplog.at_level("INFO", logger="linstream.compiled"):
+        st = Stepper(LM(PRESETS["tiny-linear"]).eval(), "on", background=False)
+    assert "no export for this model" in caplog.text
+    assert (st.status, st.kernels, st.runtime) == ("compiled", "packed", "dynamo")
+    state = random_state(st.model, 3)
+    torch.testing.assert_close(st(torch.arange(3), state.clone())[0], st.model.step(torch.arange(3), state.clone())[0],
+                               atol=2e-5, rtol=1e-4)
+
+
 def test_inputs_the_graph_was_not_compiled_for_step_eagerly():
     st = stepper("tiny-mamba")
     model, state = st.model, random_state(st.model, 5)
@@ -207,7 +248,7 @@ def test_inputs_it_was_not_compiled_for_step_eagerly_without_a_recompile(caplog,
     of other dtypes (here int32 positions) are stepped eagerly, with one log line, never handed to
     the graph or recompiled inside a decode step; a guard failure that still reaches dynamo
     raises before the graph runs and that call steps eagerly too."""
-    st = stepper("tiny-linear")
+    st = stepper("tiny-linear", runtime="dynamo")
     model = st.model
     state = random_state(model, 3)
     odd = State(state.layers, state.position.int(), state.time_dims, state.next_logits)
