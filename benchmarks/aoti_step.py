@@ -5,9 +5,10 @@ one thread, interleaved timings (each the best of interleaved rounds, lowp_matmu
                    the step built ahead of time (model/aot.py, the default: one row padded to two,
                    its checks, the State it returns)
   stepper_dynamo   the same with the torch.compile'd step (--step-runtime dynamo)
-  aoti             the AOTInductor library called directly on two rows
-  dynamo           the torch.compile'd step_layers called directly on two rows, guards skipped as the
-                   Stepper skips them (dynamo's frame wrapper and the AOT runtime wrapper remain)
+  aoti             the AOTInductor library called directly on one row (it takes any batch from 1 up)
+  dynamo           the torch.compile'd step_layers called directly on two rows (its smallest batch:
+                   dynamo specialises a dim of 1), guards skipped as the Stepper skips them
+                   (dynamo's frame wrapper and the AOT runtime wrapper remain)
 
 and the largest difference of each one's logits from the eager step's.
 
@@ -34,7 +35,7 @@ def measure(name: str) -> dict:
     lm = LM.load(WEIGHTS / name).requires_grad_(False)
     steppers = {r: Stepper(lm, "on", background=False, runtime=r) for r in ("aoti", "dynamo")}
     assert [s.runtime for s in steppers.values()] == ["aoti", "dynamo"], "a runtime fell back"
-    two, one = lm.init_state(2), lm.init_state(1)
+    two, one, lone = lm.init_state(2), lm.init_state(1), lm.init_state(1)
     tokens = torch.zeros(2, dtype=torch.long)
     with torch.no_grad():
         def dynamo():
@@ -43,7 +44,7 @@ def measure(name: str) -> dict:
 
         us = best_us({"stepper_aoti": lambda: decode_one_token(steppers["aoti"], torch.tensor([5]), one, [0]),
                       "stepper_dynamo": lambda: decode_one_token(steppers["dynamo"], torch.tensor([5]), one, [0]),
-                      "aoti": lambda: steppers["aoti"].compiled(tokens, two.layers, two.position),
+                      "aoti": lambda: steppers["aoti"].compiled(tokens[:1], lone.layers, lone.position),
                       "dynamo": dynamo})
         fresh = lm.init_state(3)
         want, _ = lm.step(torch.arange(3), fresh.clone())

@@ -130,8 +130,10 @@ def step_ms(models: list[str]) -> list[dict]:
                 fns[kind] = one
             with torch.no_grad():
                 ms = {k: v / 1e3 for k, v in best_us(fns, rounds=10 if B == 1 else 3, n=100 if B == 1 else 10).items()}
-            out.append({"model": name, "batch": B, "ms_per_step": {k: round(v, 4) for k, v in ms.items()}})
-            print(f"{name:6s} B={B:2d}  " + "  ".join(f"{k} {v:.3f} ms" for k, v in ms.items()), flush=True)
+            out.append({"model": name, "batch": B, "ms_per_step": {k: round(v, 4) for k, v in ms.items()},
+                        "runtime": {k: st.runtime for k, st in steppers.items()}})
+            print(f"{name:6s} B={B:2d}  " + "  ".join(f"{k} {v:.3f} ms ({steppers[k].runtime})" for k, v in ms.items()),
+                  flush=True)
     return out
 
 

@@ -18,6 +18,7 @@ the eager and torch.compile'd steps do: the state tensors that come back are the
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 import hashlib
 import json
@@ -128,7 +129,9 @@ class AotStep:
         library.parent.mkdir(parents=True, exist_ok=True)
         # no_grad for both: inductor freezes the weights (and packs them) only outside autograd
         with torch.no_grad(), tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-            program = torch.export.export(_Flat(model, names).eval(), args,
+            # a copy: export swaps the module's parameters for fake ones while it traces, and the
+            # server steps the model eagerly meanwhile, from another thread
+            program = torch.export.export(_Flat(copy.deepcopy(model), names).eval(), args,
                                           dynamic_shapes=({0: batch}, {0: batch}, tuple({0: batch} for _ in flat)))
             package = torch._inductor.aoti_compile_and_package(program, package_path=str(Path(tmp) / "step.pt2"),
                                                                inductor_configs=options)

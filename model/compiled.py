@@ -50,7 +50,8 @@ from .state import State
 
 log = logging.getLogger("linstream.compiled")
 
-MIN_ROWS = 2  # a symbolic batch dim is specialised at 1: pad a single row to 2
+MIN_ROWS = 2  # dynamo specialises a symbolic batch dim at 1: pad a single row to 2
+AOT_MIN_ROWS = 1  # export keeps 1 symbolic too: the library steps one row as it is, in place
 # inductor settings for the step: weights frozen into the graph (constants it can pack), and its
 # own GEMM template for every matmul (the BLAS's low bits depend on the batch size below 4 rows),
 # the whole step one C++ call that lets go of the GIL (cpp_wrapper)
@@ -143,7 +144,7 @@ class Stepper:
         # the packed GEMMs only are built ahead of time: oneDNN's and the BLAS's calls go through
         # torch's own ops, which a library of ours would have to reach through AOTInductor's shims
         tries = ([("onednn", "dynamo", onednn_twin(self.model), ONEDNN)] if self.gemm == "onednn" else
-                 [("packed", runtime, self.model, (PACKED, MIN_ROWS))
+                 [("packed", runtime, self.model, (PACKED, AOT_MIN_ROWS if runtime == "aoti" else MIN_ROWS))
                   for runtime in RUNTIMES[RUNTIMES.index(self.runtime):]])
         for kernels, runtime, model, (options, min_rows) in tries + [("blas", "dynamo", self.model, LEGACY)]:
             try:
@@ -250,10 +251,8 @@ class Stepper:
             tokens, position, *rest = self._scratch
             it = iter(rest)
             layers = [{n: next(it) for n in layer} for layer in layers]
-        if self.runtime == "aoti":  # no guards: what it is handled is checked above
+        if self.runtime == "aoti":  # no guards: what it is handed is checked above (_fits)
             logits, new = self.compiled(tokens.contiguous(), layers, position)
-            if B < self.min_rows:
-                logits, new = logits[:B], [{n: t[:B] for n, t in layer.items()} for layer in new]
             return logits, State(new, state.position + 1, state.time_dims, logits)
         # The inputs are what the graph was compiled for (_fits, the padding above), so dynamo's
         # guards need not be checked on every call, only those that tell this model's entry from

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model.aot import AotStep, library_key
-from model.compiled import MAX_ROWS, MIN_ROWS, ONEDNN, PACKED, Stepper, compiler_missing
+from model.compiled import AOT_MIN_ROWS, MAX_ROWS, MIN_ROWS, ONEDNN, PACKED, Stepper, compiler_missing
 from model.config import PRESETS
 from model.lm import LM
 from model.state import State
@@ -75,7 +75,7 @@ def test_compiled_equals_eager(preset, gemm):
 
 
 @pytest.mark.parametrize("preset,gemm,runtime,kernels",
-                         [(p, "inductor", "aoti", ("packed", MIN_ROWS, "aoti")) for p in FAST]
+                         [(p, "inductor", "aoti", ("packed", AOT_MIN_ROWS, "aoti")) for p in FAST]
                          + [(p, "onednn", "aoti", ("onednn", ONEDNN[1], "dynamo")) for p in FAST]
                          + [("tiny-linear", "inductor", "dynamo", ("packed", MIN_ROWS, "dynamo"))])
 def test_compiled_rows_do_not_depend_on_the_batch(preset, gemm, runtime, kernels):
@@ -197,7 +197,7 @@ def test_the_library_is_its_own_cache(caplog, tmp_path):
     with torch.no_grad():
         other.head.weight.add_(1e-3)
     other.requires_grad_(False)
-    assert library_key(other, PACKED, MIN_ROWS, MAX_ROWS) != library_key(st.model, PACKED, MIN_ROWS, MAX_ROWS)
+    assert library_key(other, PACKED, AOT_MIN_ROWS, MAX_ROWS) != library_key(st.model, PACKED, AOT_MIN_ROWS, MAX_ROWS)
 
 
 def test_a_failed_build_falls_back_to_dynamo(monkeypatch, caplog):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import WEIGHTS
-from model.compiled import MIN_ROWS, Stepper, compiler_missing
+from model.compiled import AOT_MIN_ROWS, Stepper, compiler_missing
 from model.config import PRESETS
 from model.hf import CheckpointError, load_checkpoint
 from model.lm import LM
@@ -101,7 +101,7 @@ def test_a_shipped_model_loses_under_a_hundredth_of_a_bit_per_byte():
 def test_compiled_int8_rows_do_not_depend_on_the_batch(preset):
     """As tests/model/test_compiled.py for float32: the int8 kernel treats each row alone."""
     st = Stepper(to_weights(small(preset), "int8"), "on", background=False)
-    assert st.wait() and (st.kernels, st.min_rows) == ("packed", MIN_ROWS)
+    assert st.wait() and (st.kernels, st.min_rows, st.runtime) == ("packed", AOT_MIN_ROWS, "aoti")
     model, state = st.model, random_state(st.model, 70)
     tokens = torch.randint(0, model.cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(3))
 
