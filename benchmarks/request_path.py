@@ -45,14 +45,14 @@ def ms(xs) -> float:
     return round(1000 * statistics.median(xs), 4)
 
 
-def in_process(name: str, steps: int, gemm: str = "inductor") -> dict:
+def in_process(name: str, steps: int, gemm: str = "inductor", runtime: str = "aoti") -> dict:
     """Median step (batch 1, position 128) eager and compiled, and the compute of the short requests."""
     lm = load_checkpoint(WEIGHTS / name)[0]
     st = state_at(lm, 128)
-    stepper = Stepper(lm, "auto", background=False, gemm=gemm)
+    stepper = Stepper(lm, "auto", background=False, gemm=gemm, runtime=runtime)
     out = {"eager_step_ms": ms(time_steps(lm, st, steps)),
            "compiled_step_ms": ms(time_steps(stepper, st, steps)) if stepper.compiled else None,
-           "compile_s": stepper.warm_s}
+           "compile_s": stepper.warm_s, "step_runtime": stepper.runtime if stepper.compiled else None}
     with torch.no_grad():  # a create prefills the prompt; a push prefills one token
         for key, n in (("prefill_prompt_ms", len(PROMPT)), ("prefill_1_ms", 1)):
             ts = []
@@ -154,19 +154,21 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--compile", default="auto")
     ap.add_argument("--gemm", default="inductor", help="the compiled step's matmuls, in-process and served (model/gemm.py)")
+    ap.add_argument("--step-runtime", default="aoti", help="aoti | dynamo: how the compiled step is called, in-process and served")
     ap.add_argument("--server-repo", help="serve from this checkout (e.g. the code before a change); default: this one")
     ap.add_argument("--out", default="benchmarks/results/request_path.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     res = {"machine": {"cpu": platform.machine(), "cores": os.cpu_count(), "server_threads": 1},
-           "command": " ".join(sys.argv), "server_repo": a.server_repo, "gemm": a.gemm, "models": {}}
-    compute = {x: in_process(x, 200, a.gemm) for x in a.models}
+           "command": " ".join(sys.argv), "server_repo": a.server_repo, "gemm": a.gemm, "step_runtime": a.step_runtime, "models": {}}
+    compute = {x: in_process(x, 200, a.gemm, a.step_runtime) for x in a.models}
     for store in ("memory", "disk"):
         with tempfile.TemporaryDirectory() as d:
             spec = "memory" if store == "memory" else f"disk:{d}"
             env = {"PYTHONPATH": a.server_repo} if a.server_repo else {}
             srv = LocalServer(a.models, env, "--store", spec, "--compile", a.compile,
-                              *(["--gemm", a.gemm] if a.gemm != "inductor" else []), cwd=a.server_repo)
+                              *(["--gemm", a.gemm] if a.gemm != "inductor" else []),
+                              *(["--step-runtime", a.step_runtime] if a.step_runtime != "aoti" else []), cwd=a.server_repo)
             try:
                 with Client(srv.url, timeout=120) as c:
                     _warm(c, a.models, 3 + 2 * sum(compute[x]["compile_s"] or 0 for x in a.models))

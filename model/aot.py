@@ -61,10 +61,15 @@ class _Flat(nn.Module):
 
 
 def library_key(model: LM, options: dict, min_rows: int, max_rows: int) -> str:
-    """What the built library depends on: the weights (the model's fingerprint hashes its config
-    and every tensor), the settings it was built with, torch, and the CPU it targets."""
+    """What the built library depends on: the model's config and every weight as they are now
+    (hashed afresh: a cached fingerprint would not see weights changed since), the settings it
+    was built with, torch, and the CPU it targets."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
-    parts = [FORMAT, model.fingerprint, sorted(options.items()), min_rows, max_rows, torch.__version__,
+    h = hashlib.sha256(model.cfg.to_json().encode())
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    parts = [FORMAT, h.hexdigest(), sorted(options.items()), min_rows, max_rows, torch.__version__,
              str(pick_vec_isa()), torch.get_num_threads()]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
 

@@ -20,16 +20,23 @@ to 4 rows, from which MKL's rows are exact.
 With `gemm="onednn"` (`--gemm onednn`, model/gemm.py) the projections run oneDNN's matmul over
 weights reordered once instead: ~2x faster from 16 rows up, ~2x slower at one row, and just as
 row-exact (small batches padded to 4 rows).
-The step is built with inductor's C++ wrapper (cpp_wrapper): one C++ call per step, which
-releases the GIL for its whole length, so a server's event loop runs beside the step on another
-core instead of waiting for it (and the Python wrapper's per-kernel calls are gone).
+By default (runtime="aoti", --step-runtime) the step is exported and built ahead of time by
+AOTInductor into a library (model/aot.py) with those settings, called through its C interface:
+no dynamo frame or AOT runtime wrapper around it, a batch of one stepped as it is (export keeps a
+dim of 1 symbolic), the GIL released for the call, the library itself the on-disk cache. Where
+that build fails (rwkv's and performer's matmuls between activations, say) the step is compiled
+by torch.compile as below; runtime="dynamo" asks for that directly. There it is built with
+inductor's C++ wrapper (cpp_wrapper): one C++ call per step, which also releases the GIL for its
+whole length, so a server's event loop runs beside the step on another core instead of waiting
+for it (and the Python wrapper's per-kernel calls are gone).
 All this with one compute thread only: with more, the kernels split a batch's rows between
 threads by its size, and eager and compiled alike lose it. The eager path agrees with the compiled
 one, and with itself across batch sizes, within float tolerance only.
 
 The takeover from eager never changes a running stream: rows that stepped eagerly keep stepping
 eagerly as long as their slot's position chain continues (a new session in that slot, or any
-restore, ends the pin). The compile cache lives on disk (TORCHINDUCTOR_CACHE_DIR).
+restore, ends the pin). The compile cache lives on disk (TORCHINDUCTOR_CACHE_DIR; the libraries
+in its aoti/ folder).
 """
 from __future__ import annotations
 

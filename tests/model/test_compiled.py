@@ -216,6 +216,27 @@ def test_a_failed_build_falls_back_to_dynamo(monkeypatch, caplog):
                                atol=2e-5, rtol=1e-4)
 
 
+def test_a_build_that_failed_is_not_tried_again(monkeypatch, tmp_path):
+    """A build that raised leaves a marker beside where its library would be: the next start
+    falls back at once, saying why and how to try again."""
+    model = LM(PRESETS["tiny-linear"]).eval().requires_grad_(False)
+    tries = []
+
+    def broken(*args):
+        tries.append(1)
+        raise RuntimeError("NoValidChoicesError: no GEMM for this shape")
+    monkeypatch.setattr(AotStep, "_build", staticmethod(broken))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="no GEMM for this shape") as e:
+            AotStep.build(model, PACKED, AOT_MIN_ROWS, MAX_ROWS, tmp_path)
+    assert len(tries) == 1 and "remove" in str(e.value)
+    (marker,) = tmp_path.glob("*.failed")
+    marker.unlink()
+    with pytest.raises(RuntimeError):
+        AotStep.build(model, PACKED, AOT_MIN_ROWS, MAX_ROWS, tmp_path)
+    assert len(tries) == 2
+
+
 def test_inputs_the_graph_was_not_compiled_for_step_eagerly():
     st = stepper("tiny-mamba")
     model, state = st.model, random_state(st.model, 5)
