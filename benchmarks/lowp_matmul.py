@@ -8,9 +8,9 @@ weights, 1 and 2 rows (the compiled step pads one row to two): float32 F.linear 
 weights through torch.mm, oneDNN's linear on prepacked float32 / bfloat16 weights, aten's int8
 weight-only kernel with float32 and with bfloat16 inputs, and its int4 kernel (group 32, timing
 only). Every kernel's time is the best of interleaved rounds, so the ratios come from one run.
-Part 2, the compiled decode step (model/compiled.py, inductor with frozen, packed weights) with
-float32, bfloat16 (inductor's own bfloat16 GEMM template) and int8 (model/lowp.py) projections:
-ms per token at batch 1 and 64; with --bpb, each model's held-out bits per byte, float32 vs int8.
+Part 2, the compiled decode step (model/compiled.py, inductor with frozen, packed weights, built
+ahead of time: model/aot.py) with float32, bfloat16 and int8 projections (model/lowp.py `--weights`):
+ms per token at batch 1 and 64; with --bpb, each model's held-out bits per byte for the three.
 """
 from __future__ import annotations
 
@@ -90,33 +90,13 @@ def projections(models: list[str]) -> list[dict]:
     return rows
 
 
-class BF16Linear(nn.Linear):
-    """bfloat16 weights, bfloat16 input, float32 out: what inductor's bfloat16 GEMM template gets."""
-
-    def __init__(self, lin: nn.Linear):
-        super().__init__(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
-        self.weight = nn.Parameter(lin.weight.detach().bfloat16(), requires_grad=False)
-        if lin.bias is not None:
-            self.bias = nn.Parameter(lin.bias.detach().bfloat16(), requires_grad=False)
-
-    def forward(self, x):
-        return F.linear(x.bfloat16(), self.weight, self.bias).float()
-
-
-def bf16(model: LM) -> LM:
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.in_features % K_MULTIPLE == 0:
-                setattr(parent, name, BF16Linear(child))
-    return model
-
-
 def step_ms(models: list[str]) -> list[dict]:
     from model.compiled import Stepper
     out = []
     for name in models:
         steppers = {}
-        for kind, make in (("float32", lambda m: m), ("bfloat16", bf16), ("int8", lambda m: to_weights(m, "int8"))):
+        for kind, make in (("float32", lambda m: m), ("bfloat16", lambda m: to_weights(m, "bfloat16")),
+                           ("int8", lambda m: to_weights(m, "int8"))):
             st = Stepper(make(LM.load(WEIGHTS / name)), "on", background=False)
             assert st.wait() and st.kernels == "packed", f"{name} {kind}: the step did not compile packed"
             steppers[kind] = st
@@ -146,9 +126,9 @@ def held_out_bpb(models: list[str]) -> list[dict]:
     out = []
     for name in models:
         r = {w: round(bits_per_byte(to_weights(LM.load(WEIGHTS / name), w), ids, len(val)), 4)
-             for w in ("float32", "int8")}
+             for w in ("float32", "int8", "bfloat16")}
         out.append({"model": name, "bits_per_byte": r})
-        print(f"{name:6s} held-out bits/byte  float32 {r['float32']:.4f}  int8 {r['int8']:.4f}", flush=True)
+        print(f"{name:6s} held-out bits/byte  " + "  ".join(f"{w} {v:.4f}" for w, v in r.items()), flush=True)
     return out
 
 

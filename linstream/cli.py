@@ -35,7 +35,8 @@ def serve(
     dtype: Annotated[Optional[str], typer.Option(
         help=f"weights' dtype: float32 | bfloat16 | float16 (imported checkpoints); states stay float32 {_default('dtype')}")] = None,
     weights: Annotated[Optional[str], typer.Option(
-        help=f"projections' weights: float32 | int8 (weight-only; cpu, float32 dtype) {_default('weights')}")] = None,
+        help=f"projections' weights: float32 | int8 (weight-only) | bfloat16 (cpu, float32 dtype) "
+             f"{_default('weights')}")] = None,
     host: Annotated[Optional[str], typer.Option(help=f"bind address {_default('host')}")] = None,
     port: Annotated[Optional[int], typer.Option(help=f"port {_default('port')}")] = None,
     max_sessions: Annotated[Optional[int], typer.Option(

@@ -1,7 +1,9 @@
-"""Reduced-precision projection weights for decode: int8 weight-only, bfloat16 activations.
+"""Reduced-precision projection weights for decode: int8 weight-only or bfloat16, with bfloat16
+activations and float32 results.
 
     model = LM.load(path)
     to_weights(model, "int8")      # nn.Linear -> Int8Linear, in place (input widths a multiple of 16)
+    to_weights(model, "bfloat16")  # nn.Linear -> BF16Linear, likewise
 
 A decode step at batch 1 is bound by streaming the weights (~13 MB float32 for a shipped model),
 so a quarter of the bytes is most of the cost gone. Each projection keeps one int8 per weight and
@@ -18,13 +20,20 @@ from 0.39/0.46 ms (linear/mamba) to 0.37/0.39 only, this kernel to 0.25/0.31, at
 byte within 0.0001 of float32; with float32 inputs the same kernel is 10x slower than float32.
 The kernel treats every row alone with the same order of additions, so the compiled step stays
 bit-identical per row across batch sizes (tests/model/test_lowp.py).
+"bfloat16" holds each projection's weights in bfloat16 (half the bytes of float32), its input
+rounded to bfloat16 and its result float32: inductor's bfloat16 GEMM template in the compiled
+step (row-exact like the float32 one), aten's bfloat16 matmul eagerly. Since the compiled step is
+built ahead of time (model/aot.py) this is the quicker of the two for `mamba` at one row (0.24 ms
+against int8's 0.31 in one run of benchmarks/lowp_matmul.py), int8 for `linear` (0.23 against
+0.24): the int8 kernel's fixed cost per call weighs on mamba's many small projections.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-WEIGHT_FORMATS = ("float32", "int8")  # how projections are stored: --weights (model.WEIGHTS is the checkpoints)
+WEIGHT_FORMATS = ("float32", "int8", "bfloat16")  # how projections are stored: --weights (model.WEIGHTS is the checkpoints)
 K_MULTIPLE = 16  # the kernel's input widths
 
 
@@ -57,8 +66,31 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
 
 
+class BF16Linear(nn.Module):
+    """y = bf16(x) @ bf16(W).T (+ bias), float32 out."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("w", linear.weight.detach().to(torch.bfloat16).contiguous())  # (N, K)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+
+    @property
+    def weight(self) -> Tensor:
+        """The weight (N, K) as float32, for code that reads a projection's weight or its dtype."""
+        return self.w.float()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.w).float()
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 weights"
+
+
 def to_weights(model: nn.Module, weights: str) -> nn.Module:
-    """Hold `model`'s projections in `weights` ("float32": unchanged; "int8": Int8Linear), in place.
+    """Hold `model`'s projections in `weights` ("float32": unchanged; "int8": Int8Linear;
+    "bfloat16": BF16Linear), in place.
     The embedding stays float32 even where the head is tied to it: the head gets its own int8 copy.
     The fingerprint is the float32 checkpoint's, taken first (as load_checkpoint does before a cast):
     a snapshot moves between servers of one checkpoint and continues within int8's tolerance."""
@@ -73,5 +105,5 @@ def to_weights(model: nn.Module, weights: str) -> nn.Module:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.in_features % K_MULTIPLE == 0 \
                     and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                setattr(parent, name, Int8Linear(child))
+                setattr(parent, name, (Int8Linear if weights == "int8" else BF16Linear)(child))
     return model

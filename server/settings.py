@@ -25,9 +25,10 @@ class Settings(BaseSettings):
     # weights' dtype: float32 | bfloat16 | float16 (the latter two for Mamba models); session
     # states stay float32 whatever it is (see model/lm.py LM.init_state)
     dtype: str = "float32"
-    # projections' weights: float32, or int8 (weight-only, bfloat16 activations, CPU and float32
-    # dtype only; model/lowp.py): a batch-1 decode step streams a quarter of the bytes
-    weights: Literal["float32", "int8"] = "float32"
+    # projections' weights: float32, int8 (weight-only) or bfloat16, both with bfloat16
+    # activations, CPU and float32 dtype only (model/lowp.py): a batch-1 decode step streams a
+    # quarter / half of the bytes
+    weights: Literal["float32", "int8", "bfloat16"] = "float32"
     max_sessions: int = 1024  # recurrent models: sessions held in memory (state slots)
     max_kv_sessions: int = 4  # KV-cache models: every slot's cache grows to the longest context held
     max_prompt_tokens: int = 65536  # per create/push/completion request

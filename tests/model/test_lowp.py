@@ -14,7 +14,7 @@ from model.compiled import AOT_MIN_ROWS, Stepper, compiler_missing
 from model.config import PRESETS
 from model.hf import CheckpointError, load_checkpoint
 from model.lm import LM
-from model.lowp import Int8Linear, to_weights
+from model.lowp import BF16Linear, Int8Linear, to_weights
 from model.state import State
 from model.tokenizer import Tokenizer
 
@@ -50,6 +50,16 @@ def test_int8_linear_is_close_to_float32():
     assert 1e-5 < rel(got, want) < 1e-2  # not float32 itself, but within int8 + bfloat16 rounding
 
 
+def test_bf16_linear_is_close_to_float32():
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 768, bias=True)
+    x = torch.randn(5, 3, 256)
+    got, want = BF16Linear(lin)(x), lin(x)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert BF16Linear(lin).w.dtype == torch.bfloat16 and BF16Linear(lin).weight.dtype == torch.float32
+    assert 1e-5 < rel(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("preset", ["tiny-linear", "tiny-mamba"])
 def test_projections_change_and_nothing_else(preset):
     model = small(preset)
@@ -67,9 +77,10 @@ def test_projections_change_and_nothing_else(preset):
 
 
 @pytest.mark.parametrize("preset", ["tiny-linear", "tiny-mamba"])
-def test_int8_step_and_forward_are_close_to_float32(preset):
-    """Within ~1% (bfloat16 inputs, int8 rows) on logits and state, chunked form and step alike."""
-    ref, model = small(preset), to_weights(small(preset), "int8")
+@pytest.mark.parametrize("weights", ["int8", "bfloat16"])
+def test_lowp_step_and_forward_are_close_to_float32(preset, weights):
+    """Within ~1% (bfloat16 inputs, int8 or bfloat16 rows) on logits and state, chunked form and step alike."""
+    ref, model = small(preset), to_weights(small(preset), weights)
     ids = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(2))
     want, wst = ref(ids, ref.init_state(3))
     got, gst = model(ids, model.init_state(3))
@@ -82,7 +93,7 @@ def test_int8_step_and_forward_are_close_to_float32(preset):
 
 
 def test_a_shipped_model_loses_under_a_hundredth_of_a_bit_per_byte():
-    """The README's text through the shipped linear model: int8 costs < 0.01 bits/byte."""
+    """The README's text through the shipped linear model: int8 and bfloat16 cost < 0.01 bits/byte."""
     text = README.read_text(encoding="ascii", errors="ignore")[:6000]
     ids = torch.tensor(Tokenizer(WEIGHTS / "tokenizer.json").encode(text))
 
@@ -92,15 +103,17 @@ def test_a_shipped_model_loses_under_a_hundredth_of_a_bit_per_byte():
         return F.cross_entropy(logits[0], ids[1:], reduction="sum").item() / math.log(2) / len(text)
 
     f32 = bpb(LM.load(WEIGHTS / "linear"))
-    int8 = bpb(to_weights(LM.load(WEIGHTS / "linear"), "int8"))
-    assert int8 != f32 and abs(int8 - f32) < 0.01, (f32, int8)
+    for weights in ("int8", "bfloat16"):
+        low = bpb(to_weights(LM.load(WEIGHTS / "linear"), weights))
+        assert low != f32 and abs(low - f32) < 0.01, (weights, f32, low)
 
 
 @pytest.mark.skipif(compiler_missing() is not None, reason="no C++ compiler for inductor")
-@pytest.mark.parametrize("preset", ["tiny-linear", "tiny-mamba"])
-def test_compiled_int8_rows_do_not_depend_on_the_batch(preset):
-    """As tests/model/test_compiled.py for float32: the int8 kernel treats each row alone."""
-    st = Stepper(to_weights(small(preset), "int8"), "on", background=False)
+@pytest.mark.parametrize("preset,weights", [("tiny-linear", "int8"), ("tiny-mamba", "int8"),
+                                            ("tiny-linear", "bfloat16"), ("tiny-mamba", "bfloat16")])
+def test_compiled_lowp_rows_do_not_depend_on_the_batch(preset, weights):
+    """As tests/model/test_compiled.py for float32: the int8 and bfloat16 kernels treat each row alone."""
+    st = Stepper(to_weights(small(preset), weights), "on", background=False)
     assert st.wait() and (st.kernels, st.min_rows, st.runtime) == ("packed", AOT_MIN_ROWS, "aoti")
     model, state = st.model, random_state(st.model, 70)
     tokens = torch.randint(0, model.cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(3))
@@ -132,6 +145,7 @@ def test_loading_and_settings():
 
     from server.settings import Settings
     assert Settings(weights="int8").weights == "int8"
+    assert isinstance(load_checkpoint(WEIGHTS / "linear", weights="bfloat16")[0].blocks[0].mlp.up, BF16Linear)
     with pytest.raises(ValidationError):
         Settings(weights="int8", dtype="bfloat16")
     with pytest.raises(ValidationError):
