@@ -1,6 +1,7 @@
 """Aggregate tokens/s of two checkouts' servers, taking turns (issue 13): a change's effect on the
 many-client figure of benchmarks/request_path.py, with the machine's drift spread over both
-(with --requests: the medians of its sequential create / 1-token push / 1-token completion instead).
+(with --requests: the medians of its sequential create / 1-token push / 1-token completion instead;
+with --stream: one stream's median inter-token gap and a 1-token prompt's time to first token).
 Each round runs `--clients` clients (create -> generate 128 sampled tokens -> delete, over and
 over) against one server, then the other (the first alternates), once both serve the compiled
 step; prints each round and the medians.
@@ -10,6 +11,7 @@ step; prints each round and the medians.
     python benchmarks/aggregate_ab.py --before-args="--gemm inductor" --after-args="--gemm onednn"  # one
         # checkout, two server options
     python benchmarks/aggregate_ab.py --before /tmp/before --requests --rounds 6
+    python benchmarks/aggregate_ab.py --before-args="--step-runtime dynamo" --stream --rounds 6
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.request_path import _warm, cycles, requests  # noqa: E402
+from benchmarks.request_path import _warm, cycles, one_stream, requests  # noqa: E402
 from clients.sdk import Client  # noqa: E402
 from harness.local_server import LocalServer, wait_compiled  # noqa: E402
 
@@ -36,6 +38,7 @@ def main(argv=None) -> None:
     ap.add_argument("--duration", type=float, default=6.0, help="seconds per round and server")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--requests", action="store_true", help="time short requests instead of many clients")
+    ap.add_argument("--stream", action="store_true", help="time one stream's gaps and TTFT instead of many clients")
     ap.add_argument("--before-args", default="", help="more `linstream serve` options for the first server")
     ap.add_argument("--after-args", default="", help="... and for the second")
     a = ap.parse_args(argv)
@@ -51,7 +54,7 @@ def main(argv=None) -> None:
                 if wait_compiled(servers[name].url).get(a.model) not in ("compiled", None):
                     raise SystemExit(f"{servers[name].url}: the decode step did not compile")
         tps = {name: [] for name in servers}
-        if a.requests:
+        if a.requests or a.stream:
             return _requests(a, servers)
         for r in range(a.rounds):
             for name, srv in (list(servers.items()) if r % 2 == 0 else list(servers.items())[::-1]):  # turns swap
@@ -67,12 +70,13 @@ def main(argv=None) -> None:
 
 
 def _requests(a, servers: dict) -> None:
-    keys = ("create_ms", "push_1_ms", "completion_1_ms", "healthz_ms")
+    keys = (("gap_ms", "ttft_1_token_prompt_ms") if a.stream else
+            ("create_ms", "push_1_ms", "completion_1_ms", "healthz_ms"))
     got = {name: {k: [] for k in keys} for name in servers}
     for r in range(a.rounds):
         for name, srv in (list(servers.items()) if r % 2 == 0 else list(servers.items())[::-1]):
             with Client(srv.url, timeout=120) as c:
-                res = requests(c, a.model, 30)
+                res = one_stream(c, a.model, a.tokens, 3) if a.stream else requests(c, a.model, 30)
             for k in keys:
                 got[name][k].append(res[k])
             print(f"round {r + 1} {name:<6} " + "  ".join(f"{k} {res[k]:.3f}" for k in keys), flush=True)
