@@ -147,17 +147,26 @@ class State:
         contiguous run of rows (the usual case: a step's rows, one session) is written with one
         `_foreach_copy_` over views instead of an index_copy_ per tensor."""
         run = slice(rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
-        idx = torch.tensor(rows, dtype=torch.long, device=self.position.device)
+        idx = None if run is None else False  # the rows as a tensor, made when first needed
         dsts, srcs = [], []
+
+        def rows_tensor() -> Tensor:
+            nonlocal idx
+            if not isinstance(idx, Tensor):
+                idx = torch.tensor(rows, dtype=torch.long, device=self.position.device)
+            return idx
 
         def put(dst: Tensor, src: Tensor) -> None:
             if run is None:
-                dst.index_copy_(0, idx, src)
+                dst.index_copy_(0, rows_tensor(), src)
                 return
-            view = dst[run]
-            if not (src.data_ptr() == view.data_ptr() and src.shape == view.shape and src.stride() == view.stride()):
-                dsts.append(view)  # (else a view of these very rows, already written in place)
-                srcs.append(src)
+            # src is these very rows of dst, already written in place (a step's usual result),
+            # when it starts at row run.start with dst's strides: checked without making the view
+            if (src.data_ptr() == dst.data_ptr() + run.start * dst.stride(0) * dst.element_size()
+                    and src.stride() == dst.stride() and src.shape[0] == len(rows) and src.shape[1:] == dst.shape[1:]):
+                return
+            dsts.append(dst[run])
+            srcs.append(src)
 
         for i, (mine, theirs) in enumerate(zip(self.layers, other.layers)):
             for n, src in theirs.items():
@@ -171,7 +180,7 @@ class State:
                 if d is None or src.shape[d] == dst.shape[d]:
                     put(dst, src)
                 else:  # a shorter KV cache into the first entries
-                    dst.narrow(d, 0, src.shape[d])[idx] = src
+                    dst.narrow(d, 0, src.shape[d])[rows_tensor()] = src
         put(self.position, other.position.to(self.position.device))
         put(self.next_logits, other.next_logits.to(self.next_logits.device))
         if dsts:

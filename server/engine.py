@@ -57,7 +57,7 @@ import torch
 from model.compiled import Stepper
 from model.generate import TextStream, decode_one_token, prefill_by_steps, prefill_chunk
 from model.lm import LM
-from model.sampling import SamplingParams, sample
+from model.sampling import SamplingParams, finite_rows, sample
 from model.state import State
 from model.tokenizer import Tokenizer
 
@@ -405,7 +405,7 @@ class Engine:
         if self._series:
             self._series.step_seconds.observe(time.perf_counter() - t0)
             self._series.batch_size.observe(len(rows))
-        finite = torch.isfinite(logits).all(-1).tolist()
+        finite = finite_rows(logits)
         for p in riders:
             self._ride_on(p, finite[at[id(p)]])
         go, idx = [], []
@@ -457,7 +457,7 @@ class Engine:
     def _emit(self, jobs: list[Job], logits: torch.Tensor, checked: bool = False):
         """Sample a token for each job from its row of logits and post its event.
         checked: the rows are known to be finite (the step that made them checked them)."""
-        finite = [True] * len(jobs) if checked else torch.isfinite(logits).all(-1).tolist()
+        finite = [True] * len(jobs) if checked else finite_rows(logits)
         if not all(finite):  # a new job's held logits (restored or prefilled) can be bad too
             for j, ok in zip(jobs, finite):
                 if not ok:

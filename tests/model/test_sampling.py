@@ -159,3 +159,12 @@ def test_the_filtered_cut_keeps_the_ranks_the_reference_keeps():
         _, n, lead = sampling._cut(x.numpy(), top_k, top_p)
         want = (reference_probs(x, torch.ones(B), top_k, top_p) > 0).sum(-1)
         assert torch.equal(n, want) and torch.equal(lead, n)
+
+
+def test_finite_rows_finds_each_bad_row():
+    from model.sampling import finite_rows
+    x = torch.randn(4, 50)
+    x[1, 7], x[3, 0] = float("nan"), float("-inf")
+    assert finite_rows(x) == [True, False, True, False]
+    assert finite_rows(x.bfloat16()) == [True, False, True, False]  # the torch path
+    assert finite_rows(x[2:3]) == [True]
