@@ -41,23 +41,15 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-def test_int8_linear_is_close_to_float32():
+@pytest.mark.parametrize("kind", [Int8Linear, BF16Linear])
+def test_lowp_linear_is_close_to_float32(kind):
     torch.manual_seed(0)
     lin = nn.Linear(256, 768, bias=True)
     x = torch.randn(5, 3, 256)
-    got, want = Int8Linear(lin)(x), lin(x)
-    assert got.dtype == torch.float32 and got.shape == want.shape
-    assert 1e-5 < rel(got, want) < 1e-2  # not float32 itself, but within int8 + bfloat16 rounding
-
-
-def test_bf16_linear_is_close_to_float32():
-    torch.manual_seed(0)
-    lin = nn.Linear(256, 768, bias=True)
-    x = torch.randn(5, 3, 256)
-    got, want = BF16Linear(lin)(x), lin(x)
-    assert got.dtype == torch.float32 and got.shape == want.shape
-    assert BF16Linear(lin).w.dtype == torch.bfloat16 and BF16Linear(lin).weight.dtype == torch.float32
-    assert 1e-5 < rel(got, want) < 1e-2
+    low = kind(lin)
+    got, want = low(x), lin(x)
+    assert got.dtype == torch.float32 and got.shape == want.shape and low.weight.dtype == torch.float32
+    assert 1e-5 < rel(got, want) < 1e-2  # not float32 itself, but within int8 / bfloat16 rounding
 
 
 @pytest.mark.parametrize("preset", ["tiny-linear", "tiny-mamba"])
