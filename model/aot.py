@@ -2,8 +2,8 @@
 batch dim, built by AOTInductor into one shared library, and called through that library's C
 interface.
 
-    step = AotStep.build(model, options, min_rows, cache_dir)   # or a cache hit: dlopen only
-    logits, layers = step(tokens, layers, position)           # LM.step_layers' contract
+    step = AotStep.build(model, options, min_rows, max_rows, cache_dir)   # a cache hit: dlopen only
+    logits, layers = step(tokens, layers, position)                     # LM.step_layers' contract
 
 Why not the torch.compile'd function model/compiled.py also builds (the same inductor kernels, the
 same settings): calling that goes through dynamo's frame wrapper and AOTAutograd's runtime wrapper
@@ -11,9 +11,10 @@ first, ~0.06-0.08 ms of a 0.3 ms one-row step on this 2-core machine (benchmarks
 The library is called with ctypes, which lets go of the GIL for the length of the call (torch's
 own package loader holds it), so a server's event loop keeps running beside the step.
 
-The library is the on-disk cache: it is named by a hash of the model's weights, the inductor
-settings, torch's version and the CPU's vector ISA, so a restart only loads it (~0.1 s), and a
-library built for another CPU or model is never picked up. The state is updated in place, as
+The library is the on-disk cache: it is named by a hash of the model's config and weights, the
+inductor settings, the batch range, torch's version, the CPU's vector ISA and the thread count,
+so a restart only loads it (0.03-2.5 s; the first in a process imports inductor), and a library
+built for another CPU, model or set of weights is never picked up. The state is updated in place, as
 the eager and torch.compile'd steps do: the state tensors that come back are the ones passed in.
 """
 from __future__ import annotations
