@@ -148,8 +148,8 @@ class Stepper:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # frozen weights are constants: the template packs them only if nothing asks for their grads
         self.model.requires_grad_(False)
-        # the packed GEMMs only are built ahead of time: oneDNN's and the BLAS's calls go through
-        # torch's own ops, which a library of ours would have to reach through AOTInductor's shims
+        # only the packed GEMMs are built ahead of time: oneDNN's reordered weights are opaque
+        # tensors (no storage to hash or embed), and the BLAS fallback is for steps that failed already
         tries = ([("onednn", "dynamo", onednn_twin(self.model), ONEDNN)] if self.gemm == "onednn" else
                  [("packed", runtime, self.model, (PACKED, AOT_MIN_ROWS if runtime == "aoti" else MIN_ROWS))
                   for runtime in RUNTIMES[RUNTIMES.index(self.runtime):]])
