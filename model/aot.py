@@ -63,14 +63,10 @@ class _Flat(nn.Module):
 
 def library_key(model: LM, options: dict, min_rows: int, max_rows: int) -> str:
     """What the built library depends on: the model's config and every weight as they are now
-    (hashed afresh: a cached fingerprint would not see weights changed since), the settings it
-    was built with, torch, and the CPU it targets."""
+    (its digest: the fingerprint stays the float32 checkpoint's through model/lowp.py's casts),
+    the settings it was built with, torch, and the CPU it targets."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
-    h = hashlib.sha256(model.cfg.to_json().encode())
-    for name, t in sorted(model.state_dict().items()):
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    parts = [FORMAT, h.hexdigest(), sorted(options.items()), min_rows, max_rows, torch.__version__,
+    parts = [FORMAT, model.digest(), sorted(options.items()), min_rows, max_rows, torch.__version__,
              str(pick_vec_isa()), torch.get_num_threads()]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
 
@@ -107,8 +103,7 @@ class AotStep:
     def build(cls, model: LM, options: dict, min_rows: int, max_rows: int, cache_dir: Path) -> AotStep:
         """The library for this model and settings: loaded from cache_dir, or exported and built
         there first (20-40 s for a shipped model on two cores)."""
-        state = model.init_state(2 * min_rows)
-        names = [(i, n) for i, layer in enumerate(state.layers) for n in layer]
+        names = [(i, n) for i, layer in enumerate(model.init_state(1).layers) for n in layer]
         library = Path(cache_dir) / f"step-{library_key(model, options, min_rows, max_rows)}.so"
         failed = library.with_suffix(".failed")  # a build that raised: not tried again at each start
         if library.exists():

@@ -130,15 +130,20 @@ class LM(nn.Module):
         return self.head(self.norm(x)).float(), new  # (B, V)
 
     # ---- identity and checkpoints --------------------------------------------------------
+    def digest(self) -> str:
+        """sha256 of the config and every weight as they are now (the fingerprint keeps the first)."""
+        h = hashlib.sha256(self.cfg.to_json().encode())
+        for name, t in sorted(self.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        return h.hexdigest()
+
     @property
     def fingerprint(self) -> str:
-        """sha256 of the config and every weight: a snapshot only loads into the model it came from."""
+        """The digest when first asked (model/lowp.py keeps the float32 checkpoint's across a cast):
+        a snapshot only loads into the model it came from."""
         if self._fingerprint is None:
-            h = hashlib.sha256(self.cfg.to_json().encode())
-            for name, t in sorted(self.state_dict().items()):
-                h.update(name.encode())
-                h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            self._fingerprint = h.hexdigest()[:32]
+            self._fingerprint = self.digest()[:32]
         return self._fingerprint
 
     def save(self, path: str | Path, extra: dict | None = None) -> None:

@@ -147,12 +147,12 @@ class State:
         contiguous run of rows (the usual case: a step's rows, one session) is written with one
         `_foreach_copy_` over views instead of an index_copy_ per tensor."""
         run = slice(rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
-        idx = None if run is None else False  # the rows as a tensor, made when first needed
+        idx = None  # the rows as a tensor, made when first needed
         dsts, srcs = [], []
 
         def rows_tensor() -> Tensor:
             nonlocal idx
-            if not isinstance(idx, Tensor):
+            if idx is None:
                 idx = torch.tensor(rows, dtype=torch.long, device=self.position.device)
             return idx
 
