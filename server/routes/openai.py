@@ -8,7 +8,6 @@ session, so it never holds more than one slot and each generation is admitted li
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 
@@ -134,19 +133,19 @@ def _streamed(rt, req: OpenAISampling, base: dict, first: Run, count: int, start
                 try:
                     current[0] = await start(k)
                 except APIError as e:
-                    yield data_frame(json.dumps({"error": {"type": e.type, "message": e.message}}))
+                    yield data_frame({"error": {"type": e.type, "message": e.message}})
                     failed = True
                     break
             run, sent = current[0], 0
             for c in render(k, run, "start", None, 0):
-                yield data_frame(json.dumps(c))
+                yield data_frame(c)
             async for kind, ev in events(run.stream):
                 if kind == "done" and "error" in ev:
-                    yield data_frame(json.dumps({"error": ev["error"]}))
+                    yield data_frame({"error": ev["error"]})
                     failed = True
                     break
                 for c in render(k, run, kind, ev, sent):
-                    yield data_frame(json.dumps(c))
+                    yield data_frame(c)
                 if kind == "token":
                     sent += len(ev["text"])
                 else:
@@ -155,7 +154,7 @@ def _streamed(rt, req: OpenAISampling, base: dict, first: Run, count: int, start
             if failed:
                 break
         if req.include_usage and not failed:
-            yield data_frame(json.dumps({**base, "choices": [], "usage": _usage(prompt, completion)}))
+            yield data_frame({**base, "choices": [], "usage": _usage(prompt, completion)})
         yield DONE_FRAME
     return sse_response(gen(), lambda: current[0].stream.let_go(), rt.settings)
 

@@ -1,5 +1,6 @@
 """Session API in-process (httpx.ASGITransport): every endpoint, every error, exact continuation."""
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -73,7 +74,8 @@ async def test_stream_events(client):
     fields = [dict(line.split(": ", 1) for line in b.split("\n")) for b in blocks]
     assert [f.get("event") for f in fields] == ["token"] * 4 + ["done", None] and fields[-1]["data"] == "[DONE]"
     assert [int(f["id"]) for f in fields[:5]] == [s["position"] + i for i in (1, 2, 3, 4, 4)]  # position after it
-    assert '"finish_reason": "length"' in blocks[4] and '"per_token_ms"' in blocks[4]
+    done = json.loads(fields[4]["data"])
+    assert done["finish_reason"] == "length" and done["timings"]["per_token_ms"] > 0
 
 
 @pytest.mark.parametrize("model", MODELS)
