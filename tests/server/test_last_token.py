@@ -78,3 +78,31 @@ async def test_a_last_token_that_never_leaves_is_taken_back(rt, model, n):
     assert_state_over(rt, model, await eng.call(lambda: eng.read(s.slot)), prompt + got)
     if not s.ephemeral:  # what was persisted is that state too
         assert_state_over(rt, model, st.job.state, prompt + got)
+
+
+@pytest.mark.parametrize("model", ["linear", "softmax"])
+async def test_a_held_token_survives_other_streams_steps(rt, model):
+    """A stream whose client stops reading holds one token stepped ahead, and its rollback point
+    lies in the rows the engine reuses for every step's copy (engine.Rollback): while another
+    stream steps on alone, that copy must be kept for it, so that when its client leaves the
+    session is taken back to exactly what that client got."""
+    a, prompt_a, sa = await stream(rt, model, 64)
+    b, prompt_b, sb = await stream(rt, model, 24)
+    ga, gb = events(sa), events(sb)
+    got_a, got_b = [], []
+    for _ in range(4):  # both step together: a's rollback point shares the step's copy with b's
+        got_a.append((await anext(ga))[1]["token"])
+        got_b.append((await anext(gb))[1]["token"])
+    await asyncio.sleep(0.05)  # a steps its next token ahead of delivery, then waits on its client
+    assert sa.job.consumed == sa.job.yielded + 1
+    async for kind, ev in gb:  # b steps alone to its end, through the same rows
+        if kind == "token":
+            got_b.append(ev["token"])
+    assert len(got_b) == 24
+    await ga.aclose()  # a's client leaves
+    await sa.job.closing
+    got_a.pop()  # the event a's handler yielded last is counted once the handler resumes: never
+    assert a.tokens == prompt_a + got_a
+    eng = rt.engines[model]
+    assert_state_over(rt, model, await eng.call(lambda: eng.read(a.slot)), prompt_a + got_a)
+    assert_state_over(rt, model, await eng.call(lambda: eng.read(b.slot)), prompt_b + got_b)
