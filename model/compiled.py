@@ -205,10 +205,23 @@ class Stepper:
             self.thread.join(timeout)
         return self.compiled is not None
 
-    @torch.no_grad()
-    def __call__(self, tokens: Tensor, state: State, rows: list[int] | None = None) -> tuple[Tensor, State]:
+    def fits(self, state: State) -> bool:
+        """Would the compiled step take rows of `state` as they are (see _fits)? The engine asks
+        once of its pool, whose rows (selected views or gathered copies) then always fit."""
+        return self._fits(torch.zeros(state.batch, dtype=torch.long), state)
+
+    def __call__(self, tokens: Tensor, state: State, rows: list[int] | None = None,
+                 checked: bool = False) -> tuple[Tensor, State]:
         """LM.step for rows `rows` (the slots of a pool, for pinning; None = one fresh stream per call).
-        Under inference_mode or with non-contiguous state tensors it steps eagerly (see _fits)."""
+        Under inference_mode or with non-contiguous state tensors it steps eagerly (see _fits);
+        `checked`: the caller vouches for that (rows of a state that `fits`, outside
+        inference_mode), and the per-call check is skipped. Runs under no_grad."""
+        if torch.is_grad_enabled():  # (the engine's thread runs without grad: no context to enter)
+            with torch.no_grad():
+                return self._call(tokens, state, rows, checked)
+        return self._call(tokens, state, rows, checked)
+
+    def _call(self, tokens: Tensor, state: State, rows: list[int] | None, checked: bool) -> tuple[Tensor, State]:
         rows = rows if rows is not None else []
         if self.compiled is None:
             positions = state.position.tolist()
@@ -218,7 +231,7 @@ class Stepper:
         if not self._taken_over:
             self.pinned, self.seen, self._taken_over = self.seen, {}, True
         if not self.pinned:
-            return self._compiled(tokens, state)
+            return self._compiled(tokens, state, checked)
         eager, positions = [], state.position.tolist()
         for i, (r, p) in enumerate(zip(rows, positions)):
             if self.pinned.get(r) == p:
@@ -226,7 +239,7 @@ class Stepper:
             else:
                 self.pinned.pop(r, None)
         if not eager:
-            return self._compiled(tokens, state)
+            return self._compiled(tokens, state, checked)
         out = self._split(tokens, state, eager) if len(eager) < len(rows) else self.model.step(tokens, state)
         for i in eager:  # after the step: one that raised (and was rolled back) leaves the pins as they were
             self.pinned[rows[i]] = positions[i] + 1
@@ -243,10 +256,10 @@ class Stepper:
         logits[eager], logits[rest] = la, lb
         return logits, State(state.layers, position, state.time_dims, logits)
 
-    def _compiled(self, tokens: Tensor, state: State) -> tuple[Tensor, State]:
+    def _compiled(self, tokens: Tensor, state: State, checked: bool = False) -> tuple[Tensor, State]:
         B = tokens.shape[0]
         layers, position = state.layers, state.position
-        if not self._fits(tokens, state):
+        if not (checked or self._fits(tokens, state)):
             return self.model.step(tokens, state)
         if B < self.min_rows:  # copy into a min_rows-row scratch state; the spare rows are never read back
             if self._scratch is None:

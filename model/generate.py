@@ -44,13 +44,14 @@ def prefill(model: LM, tokens: list[int] | Tensor, state: State, chunk: int = PR
 
 
 def decode_one_token(step: LM | Stepper, tokens: Tensor, state: State,
-                     rows: list[int] | None = None) -> tuple[Tensor, State]:
+                     rows: list[int] | None = None, checked: bool = False) -> tuple[Tensor, State]:
     """One token for each of B rows (tokens (B,)) in one batched step -> (logits (B, V), state).
     `step` is the model (its eager `LM.step`) or the engine's `Stepper` (the compiled step once
     warm; `rows`, the pool slots stepped, keep a stream that began eagerly on the eager path).
-    The state is stepped where it lies: keep a copy (State.clone) to step from it twice."""
+    The state is stepped where it lies: keep a copy (State.clone) to step from it twice.
+    `checked`: the Stepper need not check the inputs (Stepper.__call__)."""
     if isinstance(step, Stepper):
-        return step(tokens, state, rows)  # no_grad: the compiled graph's guards refuse inference mode
+        return step(tokens, state, rows, checked)  # no_grad: the compiled graph's guards refuse inference mode
     with torch.inference_mode():
         return step.step(tokens, state)
 

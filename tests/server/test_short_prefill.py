@@ -177,11 +177,11 @@ def test_a_failed_step_sends_its_riders_to_steps_of_their_own(compiled_engine_mo
     ran, failed = spy(monkeypatch), []
     real = engine_mod.decode_one_token
 
-    def flaky(step, tokens, state, rows=None):
+    def flaky(step, tokens, state, rows=None, checked=False):
         if len(rows) > 1 and not failed:
             failed.append(len(rows))
             raise RuntimeError("injected step fault")
-        return real(step, tokens, state, rows)
+        return real(step, tokens, state, rows, checked)
     monkeypatch.setattr(engine_mod, "decode_one_token", flaky)
     eng.start()
     try:
