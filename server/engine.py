@@ -607,20 +607,18 @@ class Rollback:
 
     def __init__(self, pool: State):
         self.pool, self.capacity = pool, 0
+        self.names = [[n for n in layer if n not in pool.time_dims[i]] for i, layer in enumerate(pool.layers)]
         self.buf: State | None = None
         self.heads: dict[int, tuple[State, list]] = {}  # n -> (the first n rows, their tensors)
         self.current: State | None = None  # the copy jobs may hold
         self.holders: list = []  # the jobs of the step that made it
 
-    def _names(self, i: int, layer: dict) -> list[str]:
-        return [n for n in layer if n not in self.pool.time_dims[i]]
-
     def _head(self, n: int) -> tuple[State, list]:
         if n > self.capacity:
             self.capacity = max(n, 2 * self.capacity)
             p = self.pool
-            self.buf = State([{k: layer[k].new_zeros(self.capacity, *layer[k].shape[1:]) for k in self._names(i, layer)}
-                              for i, layer in enumerate(p.layers)],
+            self.buf = State([{k: layer[k].new_zeros(self.capacity, *layer[k].shape[1:]) for k in names}
+                              for names, layer in zip(self.names, p.layers)],
                              p.position.new_zeros(self.capacity), p.time_dims,
                              p.next_logits.new_zeros(self.capacity, *p.next_logits.shape[1:]))
             self.heads = {}
@@ -637,8 +635,8 @@ class Rollback:
             if j.saved is not None and j.saved[0] is self.current and id(j) not in mine:
                 j.saved = (self.current.copy_rows([j.saved[1]]), 0)
         head, dst = self._head(st.batch)
-        torch._foreach_copy_(dst, _flat(st, [{k: layer[k] for k in self._names(i, layer)}
-                                             for i, layer in enumerate(st.layers)]))
+        src = [layer[k] for names, layer in zip(self.names, st.layers) for k in names]
+        torch._foreach_copy_(dst, src + [st.position, st.next_logits])
         self.current, self.holders = head, list(step)
         return head
 
