@@ -192,3 +192,28 @@ def test_record_blob_refuses_what_would_read_back_damaged(tiny):
     s = s.clone()  # prefill made inference tensors
     s.next_logits[0, 0] = float("nan")
     assert record_blob(s, tiny.fingerprint, 3) == ("next_logits holds NaN or Inf", None)
+
+
+def test_blob_reads_the_same_through_either_writer(tiny):
+    """State.to_bytes writes through numpy views where it can (model/state.py `_save`); a tensor
+    numpy has no dtype for (bfloat16) takes safetensors' torch writer. Either blob loads back as
+    the very tensors and metadata that were saved."""
+    from safetensors.torch import load as st_load
+
+    from model.state import _save
+    s = prefill(tiny, [5, 6, 7], tiny.init_state(1))
+    tensors = {f"layers.{i}.{n}": t.contiguous() for i, layer in enumerate(s.layers) for n, t in layer.items()}
+    tensors["extra.history"] = torch.arange(3)
+    meta = {"format": "x", "position": "3"}
+    for extra in ({}, {"extra.half": torch.ones(2, dtype=torch.bfloat16)}):
+        want = {**tensors, **extra}
+        blob = _save(want, meta)
+        got = st_load(blob)
+        assert got.keys() == want.keys()
+        assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+        assert _header_meta(blob) == meta
+
+
+def _header_meta(blob: bytes) -> dict:
+    n = struct.unpack("<Q", blob[:8])[0]
+    return json.loads(blob[8:8 + n])["__metadata__"]
