@@ -33,6 +33,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from safetensors.numpy import save as np_save
 from safetensors.torch import load as st_load
@@ -189,12 +190,12 @@ class State:
 
     def nonfinite(self) -> str | None:
         """The name of a tensor holding NaN or Inf (KV caches counted up to each row's position), else None."""
-        if not bool(torch.isfinite(self.next_logits).all()):
+        if not _all_finite(self.next_logits):
             return "next_logits"
         for i, layer in enumerate(self.layers):
             for n, t in layer.items():
                 d, p = self.time_dims[i].get(n), int(self.position.max()) if self.batch else 0
-                if not bool(torch.isfinite(t if d is None else t.narrow(d, 0, min(p, t.shape[d]))).all()):
+                if not _all_finite(t if d is None else t.narrow(d, 0, min(p, t.shape[d]))):
                     return f"layers.{i}.{n}"
         return None
 
@@ -357,6 +358,15 @@ def blob_fingerprint(blob: bytes) -> str:
     if not isinstance(fp, str):
         raise SnapshotCorrupt("not a linstream state blob (no model fingerprint)")
     return fp
+
+
+def _all_finite(t: Tensor) -> bool:
+    """No NaN or Inf in t. numpy for float32 on the host: a session row's dozen tensors are checked
+    in 0.05 ms instead of torch's 0.4 (a bool tensor, a reduction and a sync per tensor; it ran
+    after every short push and in every persist that had not been checked already)."""
+    if t.device.type == "cpu" and t.dtype == torch.float32:
+        return bool(np.isfinite(t.detach().numpy()).all())
+    return bool(torch.isfinite(t).all())
 
 
 _NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool}

@@ -409,8 +409,10 @@ class Engine:
             for j in step:
                 j.saved = (saved, at[id(j)])
             for p in riders:
-                if p.done == 0:  # the row before the push: where a failure leaves it
-                    p.saved = saved.copy_rows([at[id(p)]])
+                if p.done == 0:  # the row before the push: where a failure leaves it; a push
+                    # that ends with this step needs it only until then, as the step's own copy
+                    i = at[id(p)]
+                    p.saved = saved.select([i]) if len(p.tokens) == 1 else saved.copy_rows([i])
             t0 = time.perf_counter()
             logits, new = decode_one_token(self.stepper, torch.tensor([e[1] for e in order]), st, rows, self.checked)
             if run and new.layers is st.layers:  # the rows were stepped where they lie (the usual case)
