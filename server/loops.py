@@ -76,7 +76,7 @@ async def flush_dirty(held: Residency, every: float = 1.0):
         for s in [s for s in list(held.sessions.values()) if s.dirty and not s.busy and s.slot is not None]:
             s.busy = True
             try:
-                await held.persist(s)
+                await held.write(s)
                 log.info("session %s written to the store after an outage", s.id)
             except StoreUnavailable:
                 break  # still down: try again later

@@ -113,7 +113,7 @@ class Runtime:
             await asyncio.wait(finishing, timeout=drain_s)
         for s in [s for s in list(self.sessions.values()) if s.dirty and s.slot is not None]:
             try:
-                await self.held.persist(s)
+                await self.held.write(s)
             except StoreUnavailable:
                 log.error("session %s: store unreachable at shutdown; its state at position %d was never written", s.id, s.position)
         tasks = list(self.tasks.running)
@@ -288,6 +288,8 @@ class Runtime:
             await self.records.forget(sid)
             log.warning("session %s: damaged record deleted (%s)", sid, e.message)
             return
+        while s.writing is not None:  # being written back before its slot is given up (Residency._write_back)
+            await asyncio.shield(s.writing)
         if s.busy:
             raise APIError(409, "session_busy", f"session {sid!r} is serving another request; retry when it ends")
         await self.delete(s)

@@ -12,6 +12,7 @@ the history itself (extras `history`, `history_start`), as a downloaded state bl
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import secrets
@@ -47,6 +48,10 @@ class Session:
     ephemeral: bool = False  # OpenAI requests' throwaway sessions are never persisted
     version: int = 0  # store version the resident copy matches (replicas on Redis)
     dirty: bool = False  # its last persist failed (store unreachable): newer in memory than in the store
+    # newer in its slot than in a store that keeps nothing past the process (memory), by design:
+    # written when its slot is given up (Residency._alloc), not after every request
+    unwritten: bool = False
+    writing: "asyncio.Future | None" = field(default=None, repr=False)  # set while that write runs
     stored: int = 0  # tokens[:stored] are in the store's history (hist/<id>)
     stored_sha: "hashlib._Hash" = field(default_factory=hashlib.sha256, repr=False)  # over those tokens' bytes
 

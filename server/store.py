@@ -47,6 +47,9 @@ def check_key(key: str) -> str:
 
 
 class Store(Protocol):
+    # does a value outlive this process? A store that does not (memory) is written back: a
+    # session's record is written when its slot is given up, not after every request (Residency)
+    durable: bool
     async def put(self, key: str, value: bytes, ttl: float | None = None) -> None: ...
     async def write_at(self, key: str, offset: int, data: bytes, ttl: float | None = None) -> None: ...
     async def get(self, key: str) -> bytes | None: ...
@@ -58,6 +61,8 @@ class Store(Protocol):
 
 
 class MemoryStore:
+    durable = False  # gone with the process: sessions are written to it only when spilled
+
     def __init__(self):
         self.data: dict[str, tuple[bytes, float | None]] = {}
 
@@ -116,6 +121,8 @@ class DiskStore:
     StoreUnavailable, as a Redis outage does: the session is kept in memory and written
     when space comes back. `ping` refuses changes while less than `min_free` bytes are free.
     """
+
+    durable = True
 
     def __init__(self, root: str | Path, min_free: int = 4 << 20):
         self.root = Path(root).resolve()
@@ -225,6 +232,8 @@ class DiskStore:
 
 class RedisStore:
     """Every call that cannot reach Redis (refused, reset, timed out) raises StoreUnavailable."""
+
+    durable = True
 
     def __init__(self, url: str, prefix: str = "linstream:"):
         import redis.asyncio as redis

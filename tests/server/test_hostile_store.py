@@ -319,6 +319,7 @@ async def _client(app):
 async def test_a_record_its_history_does_not_explain_is_never_written(app):
     async with app.router.lifespan_context(app), await _client(app) as c:
         rt = app.state.runtime
+        rt.store.durable = True  # written through, as a durable store is: these tests read its records
         s = (await c.post("/v1/sessions", json={"prompt": "Good morrow"})).json()
         other = (await c.post("/v1/sessions", json={"prompt": "Other"})).json()
         before = {k: bytes(v[0]) for k, v in rt.store.data.items()}
@@ -338,6 +339,7 @@ async def test_records_written_before_the_history_split_still_load(app):
     """Records whose blob carries the history (as every record did before hist/<id>) read back."""
     async with app.router.lifespan_context(app), await _client(app) as c:
         rt = app.state.runtime
+        rt.store.durable = True  # written through, as a durable store is: these tests read its records
         s = (await c.post("/v1/sessions", json={"prompt": "Good morrow, cousin"})).json()
         session = rt.sessions.pop(s["id"])
         meta = {k: v for k, v in decode_record(rt.store.data[f"sess/{s['id']}"][0])[0].items() if k != "history"}
@@ -359,6 +361,7 @@ async def test_a_short_request_makes_one_durable_write(app):
     first, and the history reads back whole from both parts."""
     async with app.router.lifespan_context(app), await _client(app) as c:
         rt = app.state.runtime
+        rt.store.durable = True  # written through, as a durable store is: these tests read its records
         writes = []
         for name in ("put", "write_at"):
             real = getattr(rt.store, name)
@@ -401,6 +404,7 @@ class PoisonSecondChunk:
 async def test_a_prefill_that_turns_the_state_non_finite_changes_nothing(app, monkeypatch):
     async with app.router.lifespan_context(app), await _client(app) as c:
         rt = app.state.runtime
+        rt.store.durable = True  # written through, as a durable store is: these tests read its records
         s = (await c.post("/v1/sessions", json={"prompt": "Good morrow"})).json()
         other = (await c.post("/v1/sessions", json={"prompt": "Other"})).json()
         blobs = {sid: (await c.get(f"/v1/sessions/{sid}/state")).content for sid in (s["id"], other["id"])}

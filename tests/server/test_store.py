@@ -92,13 +92,15 @@ def test_disk_store_refuses_damaged_files(tmp_path):
     asyncio.run(run())
 
 
-@pytest_asyncio.fixture
-async def small_server(tmp_path):
+@pytest_asyncio.fixture(params=["disk", "memory"])
+async def small_server(tmp_path, request):
+    """Two slots, on a disk store (written through) or the memory store (written back when spilled)."""
     ckpt = make_checkpoint(tmp_path, "tiny-linear")
-    app = create_app(Settings(models=[str(ckpt)], max_sessions=2, store=f"disk:{tmp_path / 'store'}",
-                              session_ttl=0.0))
+    store = f"disk:{tmp_path / 'store'}" if request.param == "disk" else "memory"
+    app = create_app(Settings(models=[str(ckpt)], max_sessions=2, store=store, session_ttl=0.0))
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            c.runtime = app.state.runtime
             yield c, ckpt
 
 
@@ -118,6 +120,84 @@ async def test_spill_and_reload_continue_exactly(small_server):
     metrics = (await c.get("/metrics")).text
     assert 'linstream_sessions_spilled_total{model="linear"}' in metrics
     assert 'linstream_sessions_reloaded_total{model="linear"} 0.0' not in metrics
+
+
+def records(store) -> set[str]:
+    return {k.split("/", 1)[1] for k in store.data if k.startswith("sess/")}
+
+
+@pytest.mark.asyncio
+async def test_the_memory_store_is_written_back_only_when_a_slot_is_given_up(tmp_path):
+    """On the memory store a request writes nothing; the least recently used idle session is
+    written when its slot is needed, and read back from that record, exactly."""
+    ckpt = make_checkpoint(tmp_path, "tiny-linear")
+    app = create_app(Settings(models=[str(ckpt)], max_sessions=2, store="memory"))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        store = app.state.runtime.store
+        a = (await c.post("/v1/sessions", json={"prompt": "ROMEO: But soft"})).json()["id"]
+        b = (await c.post("/v1/sessions", json={"prompt": "JULIET: Ay me"})).json()["id"]
+        await c.post(f"/v1/sessions/{a}/push", json={"tokens": [3, 4]})
+        r = await c.post(f"/v1/sessions/{b}/generate", json={"stream": False, "temperature": 0, "max_tokens": 5})
+        assert r.status_code == 200 and records(store) == set()  # three requests, no write
+        blob_b = (await c.get(f"/v1/sessions/{b}/state")).content
+        history_b = (await c.get(f"/v1/sessions/{b}/history")).json()["tokens"]
+        # a third session needs a slot: the least recently used (a) is written, then b, in turn
+        d = (await c.post("/v1/sessions", json={"prompt": "NURSE: Madam"})).json()["id"]
+        assert records(store) == {a}
+        r = await c.post(f"/v1/sessions/{a}/generate", json={"stream": False, "temperature": 0, "max_tokens": 4})
+        assert r.status_code == 200 and records(store) == {a, b}  # a is back in b's slot
+        assert (await c.get(f"/v1/sessions/{b}/history")).json()["tokens"] == history_b
+        r = await c.post(f"/v1/sessions/{b}/generate", json={"stream": False, "temperature": 0, "max_tokens": 6})
+        assert r.json()["tokens"] == greedy_from_blob(ckpt, blob_b, 6)  # reloaded from its record, exactly
+        for sid in (a, b, d):
+            assert (await c.delete(f"/v1/sessions/{sid}")).status_code == 204
+        assert records(store) == set()
+
+
+@pytest.mark.asyncio
+async def test_a_request_on_a_session_being_written_back_waits_for_the_write(tmp_path, monkeypatch):
+    ckpt = make_checkpoint(tmp_path, "tiny-linear")
+    app = create_app(Settings(models=[str(ckpt)], max_sessions=1, store="memory"))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        rt = app.state.runtime
+        a = (await c.post("/v1/sessions", json={"prompt": "ROMEO: But soft"})).json()
+        real, started = rt.records.write, asyncio.Event()
+
+        async def slow_write(s, blob):
+            started.set()
+            await asyncio.sleep(0.2)
+            await real(s, blob)
+
+        monkeypatch.setattr(rt.records, "write", slow_write)
+        create = asyncio.create_task(c.post("/v1/sessions", json={"prompt": "JULIET: Ay me"}))  # spills a
+        await asyncio.wait_for(started.wait(), 10)
+        push = await c.post(f"/v1/sessions/{a['id']}/push", json={"tokens": [5]})  # during a's write
+        assert push.status_code == 200 and push.json()["position"] == a["position"] + 1
+        r = await create
+        assert r.status_code in (201, 503)  # the push took the one slot back, or left it to the create
+        assert (await c.get(f"/v1/sessions/{a['id']}/history")).json()["position"] == a["position"] + 1
+
+
+@pytest.mark.asyncio
+async def test_an_unwritten_session_whose_history_disagrees_is_refused(tmp_path):
+    """The write-back's guard: a history that does not explain the state's position (a bug) is
+    refused at the request that ends with it, 500, and the session is forgotten: it has no
+    record to go on from. Other sessions are untouched."""
+    ckpt = make_checkpoint(tmp_path, "tiny-linear")
+    app = create_app(Settings(models=[str(ckpt)], store="memory"))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        rt = app.state.runtime
+        s = (await c.post("/v1/sessions", json={"prompt": "Good morrow"})).json()
+        other = (await c.post("/v1/sessions", json={"prompt": "Other"})).json()
+        rt.sessions[s["id"]].tokens.append(7)  # a token in the history the state never consumed
+        r = await c.post(f"/v1/sessions/{s['id']}/push", json={"tokens": [1, 2]})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "session_damaged"
+        assert (await c.get(f"/v1/sessions/{s['id']}")).status_code == 404
+        assert (await c.get(f"/v1/sessions/{other['id']}")).json()["position"] == other["position"]
+        assert records(rt.store) == set()
 
 
 @pytest.mark.asyncio
@@ -217,6 +297,7 @@ async def test_damaged_record_is_a_clear_error(tmp_path):
     app = create_app(Settings(models=[str(ckpt)], store="memory"))
     async with app.router.lifespan_context(app):
         rt = app.state.runtime
+        rt.store.durable = True  # written through, as a durable store is: these tests read its records
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             sid = (await c.post("/v1/sessions", json={"prompt": "x"})).json()["id"]
             value, expiry = rt.store.data[f"sess/{sid}"]
