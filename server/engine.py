@@ -505,7 +505,7 @@ class Engine:
                 go.append(j)
                 idx.append(i)
         if go:
-            self._emit(go, logits[idx], checked=True)
+            self._emit(go, logits if idx == list(range(len(logits))) else logits[idx], checked=True)
 
     def _ride_on(self, p: Prefill, finite: bool):
         """A riding push consumed its next token: once it has all of them (or its row went bad),
@@ -545,7 +545,7 @@ class Engine:
             idx = [i for i, ok in enumerate(finite) if ok]
             jobs, logits = [jobs[i] for i in idx], logits[idx]
         tokens = self._sample(jobs, logits)
-        now = time.perf_counter()
+        now, sent = time.perf_counter(), 0
         for i, j in enumerate(jobs):
             if tokens[i] is None:
                 continue
@@ -555,7 +555,6 @@ class Engine:
                 self._fail(j, f"turning token {tokens[i]} into text failed: {type(e).__name__}: {e}")
                 continue
             if self._series:
-                self._series.tokens.inc()
                 if j.t_first is None:
                     self._series.ttft.observe(now - j.t_submit)
                 else:
@@ -563,6 +562,9 @@ class Engine:
             j.t_first = j.t_first or now
             j.t_last = now
             self._post(j.loop, j.events.put_nowait, ("token", ev))
+            sent += 1
+        if sent and self._series:
+            self._series.tokens.inc(sent)  # once per step, not per token
 
     def _sample(self, jobs: list[Job], logits: torch.Tensor) -> list[int | None]:
         """A token per row; None for a job whose sampling failed (that job is ended). After a
