@@ -2,7 +2,8 @@
 thread, a hop (and a GIL hand-off) per request for what is an attribute read."""
 from typing import Annotated
 
-from fastapi import Depends, Request
+import orjson
+from fastapi import Depends, Request, Response
 
 from ..runtime import Runtime
 
@@ -12,3 +13,10 @@ async def get_runtime(request: Request) -> Runtime:
 
 
 RT = Annotated[Runtime, Depends(get_runtime)]
+
+
+def json_body(data: dict, status: int = 200) -> Response:
+    """`data` as a JSON response, encoded once by orjson: a dict returned from a route goes through
+    FastAPI's jsonable_encoder and json.dumps, ~40 us for a 1-token completion's body in a warm
+    loop against 0.7 (the same JSON: UTF-8, no NaN in these bodies, tuples as arrays)."""
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")

@@ -10,7 +10,7 @@ from ..auth import Owner
 from ..errors import APIError, invalid
 from ..schemas import CreateSession, Generate, Push, Restore
 from ..streaming import collect, sse, sse_response
-from .deps import RT
+from .deps import RT, json_body
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
@@ -18,7 +18,7 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 @router.post("", status_code=201)
 async def create(req: CreateSession, rt: RT, owner: Owner):
     s = await rt.create(req.model, req.prompt, req.tokens, owner)
-    return rt.describe(s)
+    return json_body(rt.describe(s), 201)
 
 
 @router.get("")
@@ -56,7 +56,7 @@ async def restore(request: Request, rt: RT, owner: Owner):
 
 @router.get("/{sid}")
 async def get(sid: str, owner: Owner, rt: RT):
-    return rt.describe(await rt.find(sid, owner))
+    return json_body(rt.describe(await rt.find(sid, owner)))
 
 
 @router.get("/{sid}/history")
@@ -73,7 +73,7 @@ async def push(sid: str, owner: Owner, req: Push, rt: RT):
     ids = await rt.tokens_of(rt.engines[s.model], req.text, req.tokens)
     async with rt.hold(s) as s:
         ms, _ = await rt.push(s, ids)
-    return {"position": s.position, "prefill_ms": round(ms, 3), "tokens": len(ids)}
+    return json_body({"position": s.position, "prefill_ms": round(ms, 3), "tokens": len(ids)})
 
 
 @router.post("/{sid}/generate", responses=SSE)
@@ -83,7 +83,7 @@ async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
         st = rt.generate(s, params, req.logprobs)
     if req.stream:
         return sse_response(sse(st), st.let_go, rt.settings)
-    return await collect(st)
+    return json_body(await collect(st))
 
 
 @router.post("/{sid}/snapshot")
