@@ -73,15 +73,21 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
     return to_weights(model.to(device=device, dtype=DTYPES[dtype]).eval(), weights), tok
 
 
+# fla's layers keep their recurrences, short convolutions and norms in float32 under bfloat16 weights
+FLA_MIXERS = frozenset({"fla-gla", "fla-deltanet", "fla-retnet", "fla-rwkv6", "fla-rwkv6-in", "fla-rwkv7", "fla-rwkv7-in"})
+
+
 def _check_low_precision(path: Path, dtype: str) -> None:
     # only the imported architectures' mixers keep their recurrence in float32 under lower-precision
     # weights; the others would compute their state in bfloat16/float16 (or fail on mixed dtypes)
     cfg = hf_config(_read_json(path / "config.json")) if is_hf(path) else \
         ModelConfig.from_dict(_read_json(path / "config.json"))
-    other = sorted(set(cfg.layer_mixers) - {"mamba", "mamba2", "rwkv4", "rwkv4-in"})
+    other = sorted(set(cfg.layer_mixers) - {"mamba", "mamba2", "rwkv4", "rwkv4-in", *FLA_MIXERS})
     if other:
-        raise CheckpointError(f"bfloat16/float16 weights are supported for Mamba, Mamba-2 and RWKV-4 mixers "
+        raise CheckpointError(f"bfloat16/float16 weights are supported for Mamba, Mamba-2, RWKV-4 and fla mixers "
                               f"only; this model has {other}")
+    if dtype == "float16" and FLA_MIXERS & set(cfg.layer_mixers):
+        raise CheckpointError("float16 is not supported for fla checkpoints (not verified here); use bfloat16")
     if dtype == "float16" and "rwkv4" in cfg.layer_mixers:
         # RWKV-4's residual stream outgrows float16's range in deep models; transformers halves it
         # every few blocks for that (rescale_every), which linstream does not do

@@ -79,23 +79,23 @@ class ShortConvs:
     def width(self) -> int:
         return sum(self.widths)
 
-    def weight(self):  # (C, 1, W): the convolutions as one
-        return torch.cat([m.weight for m in self.convs])
+    def weight(self):  # (C, 1, W): the convolutions as one, in float32 (the tail, part of the state, is float32)
+        return torch.cat([m.weight for m in self.convs]).float()
 
     def _act(self, y):
         parts = y.split(self.widths, -1)
         return torch.cat([F.silu(p) if a else p for p, a in zip(parts, self.acts)], -1)
 
     def forward(self, x, tail):  # x (B, T, C), tail (B, W-1, C)
-        y, tail = causal_conv(x, tail, self.weight(), None)
+        y, tail = causal_conv(x.float(), tail, self.weight(), None)
         return self._act(y), tail
 
     def step(self, x, tail):  # x (B, C); the tail is updated in place
-        y, tail = causal_conv_step(x, tail, self.weight(), None, inplace=True)
+        y, tail = causal_conv_step(x.float(), tail, self.weight(), None, inplace=True)
         return self._act(y), tail
 
     def naive(self, x, tail):
-        y, tail = causal_conv_naive(x, tail, self.weight(), None)
+        y, tail = causal_conv_naive(x.float(), tail, self.weight(), None)
         return self._act(y), tail
 
 

@@ -311,7 +311,7 @@ def test_sharded_checkpoint_loads_like_one_file(tmp_path):
 
 def test_low_precision_is_refused_where_the_state_would_not_stay_float32(tmp_path):
     from model import WEIGHTS
-    with pytest.raises(CheckpointError, match=r"Mamba, Mamba-2 and RWKV-4 mixers only; this model has \['linear'\]"):
+    with pytest.raises(CheckpointError, match=r"Mamba, Mamba-2, RWKV-4 and fla mixers only; this model has \['linear'\]"):
         load_checkpoint(WEIGHTS / "linear", dtype="bfloat16")
     with pytest.raises(CheckpointError, match="float16 is not supported for RWKV-4"):
         load_checkpoint(save_hf(ARCHS["rwkv4"](), tmp_path / "rwkv"), dtype="float16")
