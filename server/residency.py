@@ -5,8 +5,9 @@ A session that is not busy is current in a durable store (`persist` runs before 
 so spilling it only drops its slot, and an unknown id is looked up in the store (after a restart,
 or on another replica). A store that keeps nothing past the process (memory) is written back
 instead: `persist` only marks the session `unwritten`, and the session is written when its slot
-is given up (`_alloc`), the one time anything reads it back; a request on it waits for that write. With replicas (Redis), a request takes the session's lease first and
-drops a resident copy that another replica has since moved past.
+is given up (`_alloc`), the one time anything reads it back; a request on it waits for that
+write. With replicas (Redis), a request takes the session's lease first and drops a resident
+copy that another replica has since moved past.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class Residency:
     @asynccontextmanager
     async def hold(self, s: Session, release: bool = True):
         """`use`, for a session the request has already found."""
-        while s.writing is not None:  # written back before its slot is given up: then it goes on from the store
+        while s.writing is not None:  # being written back before its slot is given up: wait, then go on
             await asyncio.shield(s.writing)
         if self.sessions.get(s.id) is not s:  # dropped meanwhile: the store's copy is the session now
             s = await self.find(s.id, s.owner)
@@ -211,7 +212,7 @@ class Residency:
 
     async def _write_back(self, s: Session) -> None:
         """Write an unwritten session while no request may change it (one that comes waits, `hold`).
-        A state its history does not explain is never written: `write` drops the session (it
+        A state its history does not explain is never written: `_refuse` drops the session (it
         goes on from its last record, if it has one) and the slot is free again."""
         s.busy, s.writing = True, asyncio.get_running_loop().create_future()
         try:
