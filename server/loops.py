@@ -36,7 +36,8 @@ async def sweep(held: Residency, records: Records, metrics: Metrics, ttl: float)
     while True:
         await asyncio.sleep(min(5.0, max(0.05, ttl / 4)))
         now = time.time()
-        for s in [s for s in list(held.sessions.values()) if not s.busy and not s.dirty and now - s.last_used_at > ttl]:
+        for s in [s for s in list(held.sessions.values())
+                  if not s.busy and not s.dirty and s.writing is None and now - s.last_used_at > ttl]:
             try:
                 await records.forget(s.id)
             except StoreUnavailable:

@@ -163,7 +163,8 @@ class Residency:
             except RuntimeError:
                 pass
             idle = [s for s in self.sessions.values()  # a dirty session's state exists only in its slot
-                    if s.model == eng.name and s.slot is not None and not s.busy and not s.ephemeral and not s.dirty]
+                    if s.model == eng.name and s.slot is not None and not s.busy and not s.ephemeral and not s.dirty
+                    and s.writing is None]
             if not idle:
                 raise APIError(503, "at_capacity", f"model {eng.name!r} holds its maximum of busy sessions; "
                                "retry later", headers={"Retry-After": "1"})
@@ -211,17 +212,18 @@ class Residency:
         await self.write(s, state, finite)
 
     async def _write_back(self, s: Session) -> None:
-        """Write an unwritten session while no request may change it (one that comes waits, `hold`).
-        A state its history does not explain is never written: `_refuse` drops the session (it
-        goes on from its last record, if it has one) and the slot is free again."""
-        s.busy, s.writing = True, asyncio.get_running_loop().create_future()
+        """Write an unwritten session while no request may change it: one that comes waits for
+        `s.writing` (`hold`), and it is neither chosen to spill nor expired meanwhile; it is not
+        `busy` (no request holds it). A state its history does not explain is never written:
+        `_refuse` drops the session (it goes on from its last record, if it has one) and the slot
+        is free again."""
+        s.writing = asyncio.get_running_loop().create_future()
         try:
             s.unwritten = False
             await self.write(s)
         except APIError as e:
             log.error("session %s: not written back before its slot was given up (%s)", s.id, e.message)
         finally:
-            s.busy = False
             s.writing.set_result(None)
             s.writing = None
 
