@@ -83,8 +83,7 @@ class Residency:
     @asynccontextmanager
     async def hold(self, s: Session, release: bool = True):
         """`use`, for a session the request has already found."""
-        while s.writing is not None:  # being written back before its slot is given up: wait, then go on
-            await asyncio.shield(s.writing)
+        await self.written(s)
         if self.sessions.get(s.id) is not s:  # dropped meanwhile: the store's copy is the session now
             s = await self.find(s.id, s.owner)
         if s.busy:
@@ -210,6 +209,12 @@ class Residency:
             s.unwritten = True
             return
         await self.write(s, state, finite)
+
+    @staticmethod
+    async def written(s: Session) -> None:
+        """Return once no write-back of `s` is running (`_write_back`): a request waits for it."""
+        while s.writing is not None:
+            await asyncio.shield(s.writing)
 
     async def _write_back(self, s: Session) -> None:
         """Write an unwritten session while no request may change it: one that comes waits for

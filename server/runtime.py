@@ -288,8 +288,7 @@ class Runtime:
             await self.records.forget(sid)
             log.warning("session %s: damaged record deleted (%s)", sid, e.message)
             return
-        while s.writing is not None:  # being written back before its slot is given up (Residency._write_back)
-            await asyncio.shield(s.writing)
+        await self.held.written(s)  # a write-back before its slot is given up: not a request, no 409
         if s.busy:
             raise APIError(409, "session_busy", f"session {sid!r} is serving another request; retry when it ends")
         await self.delete(s)

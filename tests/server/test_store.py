@@ -100,7 +100,6 @@ async def small_server(tmp_path, request):
     app = create_app(Settings(models=[str(ckpt)], max_sessions=2, store=store, session_ttl=0.0))
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            c.runtime = app.state.runtime
             yield c, ckpt
 
 
