@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     max_batch: int = 256  # sessions advanced by one decode step
     max_queue: int = 256  # generations waiting beyond max_batch; more are refused with 503
     max_streams_per_key: int = 0  # concurrent generations per API key (0 = unlimited)
+    # an OpenAI request's choices (prompts x n or best_of) generating side by side, each on its
+    # own session; the others wait for one to end
+    choices_at_once: int = Field(16, ge=1)
     tokens_per_minute_per_key: int = 0  # generated tokens per key per minute (0 = unlimited)
     stream_send_timeout: float = 30.0  # seconds a client may leave one SSE event unread
     sse_ping_s: float = Field(5.0, ge=0)  # seconds between keep-alive comments on SSE streams (0 = none)

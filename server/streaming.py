@@ -167,16 +167,30 @@ def data_frame(data: dict | str) -> bytes:
 DONE_FRAME = data_frame("[DONE]")
 
 
-async def collect(st: Stream) -> dict:
-    toks, text, lps = [], [], []
-    async for kind, ev in events(st):
+class Gathered:
+    """One generation's events gathered into one body: its tokens, text and logprobs, then the
+    done event's fields. A failed generation keeps fewer tokens than it emitted: the body says
+    only those."""
+
+    def __init__(self):
+        self.toks, self.text, self.lps = [], [], []
+
+    def add(self, kind: str, ev: dict) -> dict | None:
+        """Take one event; -> the body once it was the done event."""
         if kind == "token":
-            toks.append(ev["token"])
-            text.append(ev["text"])
+            self.toks.append(ev["token"])
+            self.text.append(ev["text"])
             if "logprobs" in ev:
-                lps.append(ev["logprobs"])
-        else:  # a failed generation keeps fewer tokens than it emitted: the body says only those
-            n = ev["usage"]["completion_tokens"]
-            toks, text, lps = toks[:n], text[:n], lps[:n]
-            return {"tokens": toks, "text": "".join(text), **ev, **({"logprobs": lps} if lps else {})}
+                self.lps.append(ev["logprobs"])
+            return None
+        n = ev["usage"]["completion_tokens"]
+        lps = self.lps[:n]
+        return {"tokens": self.toks[:n], "text": "".join(self.text[:n]), **ev, **({"logprobs": lps} if lps else {})}
+
+
+async def collect(st: Stream) -> dict:
+    body = Gathered()
+    async for kind, ev in events(st):
+        if (done := body.add(kind, ev)) is not None:
+            return done
     raise RuntimeError("generation ended without a done event")

@@ -2,13 +2,15 @@
 
 Each generation runs on a session: the one named by the `session_id` extension field (continued,
 and kept), or a temporary one deleted afterwards. A request asking for several choices (a list
-of prompts, n > 1, best_of) runs its generations one after another, each on its own temporary
-session, so it never holds more than one slot and each generation is admitted like a request.
+of prompts, n > 1, best_of) runs its generations side by side in the engine's batch, each on its
+own temporary session and admitted like a request (`Choices`).
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
@@ -20,7 +22,7 @@ from ..engine import Engine
 from ..errors import APIError
 from ..schemas_openai import MAX_RUNS, Chat, Completion, OpenAISampling, chat_prompt, unsupported
 from ..sessions import Session
-from ..streaming import DONE_FRAME, Stream, collect, data_frame, events, sse_response
+from ..streaming import DONE_FRAME, Gathered, Stream, data_frame, events, sse_response
 from .deps import RT
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -119,44 +121,150 @@ def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _streamed(rt, req: OpenAISampling, base: dict, first: Run, count: int, start, render) -> object:
-    """SSE over the `count` runs of a request, one after another (run k begins once run k-1 is
-    over: `start(k)`). `render(k, run, kind, ev, sent)` -> the chunks of one event, `sent` being
-    the text this choice has streamed so far. The usage chunk only if stream_options asks."""
-    current = [first]  # the run in progress: let go of when the response ends, however it ends
+# refusals for room (the queue, the slots, the key's streams): a further choice of a request waits
+# them out while others of the request run, since their ending makes room
+ROOM = {"overloaded", "at_capacity", "rate_limited"}
+
+
+class Choices:
+    """The generations of one request with several choices (prompts x n, or x best_of), run side
+    by side in the engine's batch, each on its own temporary session: choice k is choice k % per
+    of prompt k // per. A prompt's first choice starts before its others, which then start from
+    the state its prompt reached (cached: the prompt is prefilled once). At most `at_once`
+    generate together; a choice refused for room while others of the request run is tried again
+    when one of them ends, so a request that fits one choice at a time is served whole, as it was
+    when choices ran one after another. Seeded choices give the tokens they gave then: a row's
+    tokens do not depend on its batch."""
+
+    def __init__(self, start: Callable[[int], Awaitable[Run]], first: Run, count: int, per: int, at_once: int):
+        self.start, self.count, self.per, self.at_once = start, count, per, at_once
+        self.runs: dict[int, Run] = {0: first}
+
+    def let_go(self) -> None:
+        """The response is over: every run still going is cancelled and its session let go."""
+        for run in list(self.runs.values()):
+            run.stream.let_go()
+
+    async def events(self) -> AsyncIterator[tuple[int, Run, str, dict | None]]:
+        """(k, run, kind, event) for every choice as its events come: kind "start" once as the run
+        begins (event None), then its "token"s and its "done". Each run's next event is asked for
+        only after its previous one has been taken, so a token counts as delivered (`events`)
+        once the response has it. A refusal that cannot wait is raised."""
+        ready: asyncio.Queue = asyncio.Queue()  # tasks as they finish
+        tasks: dict[asyncio.Task, tuple[str, int]] = {}  # ("start" | "event", k)
+        gens: dict[int, AsyncIterator] = {}
+        waiting = list(range(1, self.count))
+        live, blocked = 1, False  # runs started and not done; a refusal waits for one to end
+
+        def track(coro, what: str, k: int):
+            t = asyncio.ensure_future(coro)
+            tasks[t] = (what, k)
+            t.add_done_callback(ready.put_nowait)
+
+        def follow(k: int):
+            gens[k] = gens.get(k) or events(self.runs[k].stream)
+            track(anext(gens[k]), "event", k)
+
+        def launch():
+            starting = sum(1 for what, _ in tasks.values() if what == "start")
+            for k in list(waiting):
+                if live + starting >= self.at_once:
+                    return
+                if k % self.per and k - k % self.per not in self.runs:  # after its prompt's first choice
+                    continue
+                waiting.remove(k)
+                track(self.start(k), "start", k)
+                starting += 1
+
+        try:
+            yield 0, self.runs[0], "start", None
+            follow(0)
+            while True:
+                if not blocked:
+                    launch()
+                if not tasks:
+                    break
+                t = await ready.get()
+                what, k = tasks.pop(t)
+                if what == "start":
+                    try:
+                        run = t.result()
+                    except APIError as e:
+                        if e.type in ROOM and (live or any(w == "start" for w, _ in tasks.values())):
+                            waiting.insert(sum(1 for w in waiting if w < k), k)
+                            blocked = True
+                            continue
+                        raise
+                    self.runs[k] = run
+                    live += 1
+                    yield k, run, "start", None
+                    follow(k)
+                    continue
+                kind, ev = t.result()
+                yield k, self.runs[k], kind, ev
+                if kind == "done":
+                    live, blocked = live - 1, False
+                else:
+                    follow(k)
+            if waiting:  # cannot happen: a refusal waits only while a run or a start of the request is in flight
+                raise RuntimeError(f"choices {waiting} never started")
+        finally:
+            for t, (what, _) in tasks.items():
+                t.cancel()
+                if what == "start":  # a run that started all the same is let go too
+                    t.add_done_callback(_let_go_started)
+            self.let_go()
+
+
+def _let_go_started(t: asyncio.Task) -> None:
+    if not t.cancelled() and t.exception() is None:
+        t.result().stream.let_go()
+
+
+def _streamed(rt, req: OpenAISampling, base: dict, choices: Choices, render) -> object:
+    """SSE over a request's choices as their events come. `render(k, run, kind, ev, sent)` -> the
+    chunks of one event, `sent` being the text choice k has streamed so far. The usage chunk only
+    if stream_options asks."""
 
     async def gen():
         prompt = completion = 0
+        sent: dict[int, int] = {}
         failed = False
-        for k in range(count):
-            if k:
-                try:
-                    current[0] = await start(k)
-                except APIError as e:
-                    yield data_frame({"error": {"type": e.type, "message": e.message}})
-                    failed = True
-                    break
-            run, sent = current[0], 0
-            for c in render(k, run, "start", None, 0):
-                yield data_frame(c)
-            async for kind, ev in events(run.stream):
-                if kind == "done" and "error" in ev:
-                    yield data_frame({"error": ev["error"]})
-                    failed = True
-                    break
-                for c in render(k, run, kind, ev, sent):
-                    yield data_frame(c)
-                if kind == "token":
-                    sent += len(ev["text"])
-                else:
-                    prompt += ev["usage"]["prompt_tokens"] if k % req.n == 0 else 0
-                    completion += ev["usage"]["completion_tokens"]
-            if failed:
-                break
+        try:
+            async with aclosing(choices.events()) as evs:
+                async for k, run, kind, ev in evs:
+                    if kind == "done" and "error" in ev:
+                        yield data_frame({"error": ev["error"]})
+                        failed = True
+                        break
+                    for c in render(k, run, kind, ev, sent.get(k, 0)):
+                        yield data_frame(c)
+                    if kind == "token":
+                        sent[k] = sent.get(k, 0) + len(ev["text"])
+                    elif kind == "done":
+                        prompt += ev["usage"]["prompt_tokens"] if k % req.n == 0 else 0
+                        completion += ev["usage"]["completion_tokens"]
+        except APIError as e:  # a further choice refused
+            yield data_frame({"error": {"type": e.type, "message": e.message}})
+            failed = True
         if req.include_usage and not failed:
             yield data_frame({**base, "choices": [], "usage": _usage(prompt, completion)})
         yield DONE_FRAME
-    return sse_response(gen(), lambda: current[0].stream.let_go(), rt.settings)
+    return sse_response(gen(), choices.let_go, rt.settings)
+
+
+async def _gathered(choices: Choices) -> dict[int, tuple[Run, dict]]:
+    """Every choice's run and body (as `collect` makes it), once all are done; the first failure
+    is raised as its error."""
+    bodies, out = {}, {}
+    async with aclosing(choices.events()) as evs:
+        async for k, run, kind, ev in evs:
+            if kind == "start":
+                bodies[k] = Gathered()
+            elif (done := bodies[k].add(kind, ev)) is not None:
+                _finish(done)
+                out[k] = run, done
+    return out
 
 
 def _logprobs_obj(tok, entries, offset: int = 0):
@@ -206,10 +314,13 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
     want = req.logprobs
     lp = 0 if want is None and best > n else want  # ranking by best_of needs each token's logprob
 
-    def start(k: int, prompts=prompts):  # run k: choice k % best of prompt k // best
-        return _run(rt, req, owner, prompts[k // best], want if req.echo else None, lp, k % best)
+    async def start(k: int, prompts=prompts):  # run k: choice k % best of prompt k // best
+        if k and not req.stream:
+            await _gone(request)
+        return await _run(rt, req, owner, prompts[k // best], want if req.echo else None, lp, k % best)
 
     first = await start(0)
+    choices = Choices(start, first, len(prompts) * best, best, rt.settings.choices_at_once)
     base = {"id": f"cmpl-{first.session.id[5:21]}", "object": "text_completion", "created": int(time.time()),
             "model": first.session.model}
 
@@ -229,17 +340,13 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
                     if "logprobs" in ev and want is not None else None
                 return [{**base, "choices": [{"index": k, "text": ev["text"], "finish_reason": None, "logprobs": lps}]}]
             return [{**base, "choices": [{"index": k, "text": "", "finish_reason": _finish(ev), "logprobs": None}]}]
-        return _streamed(rt, req, base, first, len(prompts) * n, start, render)
+        return _streamed(rt, req, base, choices, render)
 
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    bodies = await _gathered(choices)
+    out, prompt_tokens, completion_tokens = [], 0, 0
     for pi in range(len(prompts)):
-        cands = []
-        for j in range(best):
-            run = first if pi == j == 0 else await _gone(request) or await start(pi * best + j)
-            done = await collect(run.stream)
-            _finish(done)
-            cands.append((run, done))
-            completion_tokens += done["usage"]["completion_tokens"]
+        cands = [bodies[pi * best + j] for j in range(best)]
+        completion_tokens += sum(done["usage"]["completion_tokens"] for _, done in cands)
         prompt_tokens += cands[0][1]["usage"]["prompt_tokens"]
         if best > n:  # the n most likely, by the summed logprob of their tokens
             cands.sort(key=lambda c: -sum(x[0] for x in c[1].get("logprobs", [])))
@@ -249,9 +356,9 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
             if want is not None:
                 lps = _logprobs_obj(run.tok, (run.echo or []) +
                                     [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))])
-            choices.append({"index": pi * n + j, "text": prefix + done["text"], "finish_reason": _finish(done),
-                            "logprobs": lps})
-    return {**base, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens),
+            out.append({"index": pi * n + j, "text": prefix + done["text"], "finish_reason": _finish(done),
+                        "logprobs": lps})
+    return {**base, "choices": out, "usage": _usage(prompt_tokens, completion_tokens),
             **({"session_id": first.session.id} if not first.temp else {})}
 
 
@@ -270,10 +377,13 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
     text = chat_prompt(req.messages)
     lp = (req.top_logprobs or 0) if req.logprobs else None
 
-    def start(k: int):
-        return _run(rt, req, owner, text, None, lp, k, transcript=True, follow="\n\n")
+    async def start(k: int):
+        if k and not req.stream:
+            await _gone(request)
+        return await _run(rt, req, owner, text, None, lp, k, transcript=True, follow="\n\n")
 
     first = await start(0)
+    choices = Choices(start, first, req.n, req.n, rt.settings.choices_at_once)
     base = {"id": f"chatcmpl-{first.session.id[5:21]}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": first.session.model}
 
@@ -287,19 +397,19 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
             else:
                 delta, finish, lps = {}, _finish(ev), None
             return [{**base, "choices": [{"index": k, "delta": delta, "finish_reason": finish, "logprobs": lps}]}]
-        return _streamed(rt, req, base, first, req.n, start, render)
+        return _streamed(rt, req, base, choices, render)
 
-    choices, usage = [], _usage(0, 0)
+    bodies = await _gathered(choices)
+    out, usage = [], _usage(0, 0)
     for k in range(req.n):
-        run = first if k == 0 else await _gone(request) or await start(k)
-        done = await collect(run.stream)
+        run, done = bodies[k]
         lps = None
         if lp is not None:
             lps = _chat_logprobs(run.tok, [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))])
-        choices.append({"index": k, "message": {"role": "assistant", "content": done["text"]},
-                        "finish_reason": _finish(done), "logprobs": lps})
+        out.append({"index": k, "message": {"role": "assistant", "content": done["text"]},
+                    "finish_reason": _finish(done), "logprobs": lps})
         usage = _usage(done["usage"]["prompt_tokens"], usage["completion_tokens"] + done["usage"]["completion_tokens"])
-    return {**base, "object": "chat.completion", "choices": choices, "usage": usage,
+    return {**base, "object": "chat.completion", "choices": out, "usage": usage,
             **({"session_id": first.session.id} if not first.temp else {})}
 
 

@@ -94,3 +94,22 @@ async def test_bounded_generation_queue_503(tmp_path):
             # session b was not harmed: it generates once the queue has room
             r = await c.post(f"/v1/sessions/{b}/generate", json={"stream": False, "max_tokens": 1})
             assert r.status_code == 200
+
+
+async def test_choices_wait_for_room_their_own_request_makes(tmp_path):
+    """A request's choices beyond the key's concurrent streams wait for its own to end, and it is
+    served whole; a refusal that no ending lifts (the key's token budget spent by its first
+    choices) is the request's answer, and nothing of it is left behind."""
+    ckpt = make_checkpoint(tmp_path, "tiny-linear")
+    app = create_app(Settings(models=[str(ckpt)], api_keys=["key-a", "key-b"], max_streams_per_key=1,
+                              tokens_per_minute_per_key=20))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            body = {"prompt": "x", "n": 3, "max_tokens": 6, "seed": 5, "temperature": 1.0}
+            r = await c.post("/v1/completions", json=body, headers=A)  # 18 tokens: within the budget
+            assert r.status_code == 200 and [ch["index"] for ch in r.json()["choices"]] == [0, 1, 2]
+            assert r.json()["usage"]["completion_tokens"] == 18
+            r = await c.post("/v1/completions", json={**body, "max_tokens": 12}, headers=B)  # the third is refused
+            assert r.status_code == 429 and "budget" in r.json()["error"]["message"]
+            for key in (A, B):
+                assert (await c.get("/v1/sessions", headers=key)).json()["data"] == []

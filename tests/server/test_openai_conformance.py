@@ -81,6 +81,31 @@ def test_n_choices_distinct_and_reproducible_with_a_seed(client):
     assert len(best.choices) == 1 and best.choices[0].text == a[summed.index(max(summed))]
 
 
+def test_choices_run_side_by_side_each_as_it_runs_alone(client, server):
+    """n choices generate together in the engine's batch (their chunks interleave in the stream)
+    and each gives exactly the tokens it gives alone: choice k draws from its own seed, and a
+    row's tokens do not depend on its batch. The server holds 4 slots, so n = 6 runs 4 at once
+    and the others as slots come free."""
+    from server.schemas import MAX_SEED
+    from server.schemas_openai import SEED_STRIDE
+    kw = dict(model="linear", prompt="ROMEO:", max_tokens=24, temperature=1.0)
+    alone = [client.completions.create(seed=(7 + k * SEED_STRIDE) % MAX_SEED, **kw).choices[0].text for k in range(6)]
+    assert len(set(alone)) > 1
+    order, texts = [], {}
+    for ch in client.completions.create(n=6, seed=7, stream=True, **kw):
+        c = ch.choices[0]
+        order.append(c.index)
+        texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[k] for k in range(6)] == alone
+    assert order != sorted(order)  # interleaved: side by side, not one after another
+    assert [c.text for c in client.completions.create(n=6, seed=7, **kw).choices] == alone
+    chat = dict(model="linear", messages=[{"role": "user", "content": "Hi"}], max_tokens=12)
+    one = [client.chat.completions.create(seed=(3 + k * SEED_STRIDE) % MAX_SEED, **chat).choices[0].message.content
+           for k in range(3)]
+    assert [c.message.content for c in client.chat.completions.create(n=3, seed=3, **chat).choices] == one
+    assert held(server.url) == 0
+
+
 def test_chat_content_parts_roles_and_logprobs(client, server):
     msgs = [{"role": "developer", "content": "Be brief."},
             {"role": "user", "content": [{"type": "text", "text": "Speak"}, {"type": "text", "text": " now."}]},
