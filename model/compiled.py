@@ -33,6 +33,9 @@ All this with one compute thread only: with more, the kernels split a batch's ro
 threads by its size, and eager and compiled alike lose it. The eager path agrees with the compiled
 one, and with itself across batch sizes, within float tolerance only.
 
+On a CUDA device the step is instead captured as CUDA graphs, one per batch-size bucket
+(model/graphs.py), warmed the same way; the C++ builds above are for the CPU.
+
 The takeover from eager never changes a running stream: rows that stepped eagerly keep stepping
 eagerly as long as their slot's position chain continues (a new session in that slot, or any
 restore, ends the pin). The compile cache lives on disk (TORCHINDUCTOR_CACHE_DIR; the libraries
@@ -52,6 +55,7 @@ from torch import Tensor
 
 from .aot import AotStep
 from .gemm import GEMMS, onednn_twin
+from .graphs import GraphStep
 from .lm import LM
 from .state import State
 
@@ -89,7 +93,7 @@ class Stepper:
     """Decode steps for one model: compiled once warm, eager before that and for pinned rows."""
 
     def __init__(self, model: LM, mode: str = "auto", cache_dir: str | Path | None = None, background: bool = True,
-                 gemm: str = "inductor", runtime: str = "aoti"):
+                 gemm: str = "inductor", runtime: str = "aoti", max_rows: int = 256):
         if mode not in MODES:
             raise ValueError(f"compile mode {mode!r}: expected one of {', '.join(MODES)}")
         if gemm not in GEMMS:
@@ -97,6 +101,8 @@ class Stepper:
         if runtime not in RUNTIMES:
             raise ValueError(f"step runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
         self.model, self.gemm, self.runtime = model, gemm, runtime
+        self.cuda = model.embed.weight.device.type == "cuda"
+        self.max_rows = max_rows  # CUDA graphs: the largest bucket (more rows step in pieces)
         self.compiled = None  # the compiled step once warm
         self.warm_s: float | None = None  # seconds the compile took (cache hits make it short)
         self.pinned: dict[int, int] = {}  # slot -> next position, for rows that began eagerly
@@ -138,11 +144,13 @@ class Stepper:
             return "off"
         if any(self.model.init_state(1).time_dims):
             return "a layer keeps a growing KV cache, whose length would recompile the step"
-        return compiler_missing()
+        return None if self.cuda else compiler_missing()
 
     def warm(self) -> None:
         """Compile the step (batch dim symbolic) with packed GEMMs, or failing that with the BLAS."""
         t0 = time.perf_counter()
+        if self.cuda:
+            return self._warm_graphs(t0)
         log.info("compiling the decode step (cache %s), serving eagerly meanwhile", os.environ["TORCHINDUCTOR_CACHE_DIR"])
         # every model compiles its own entry of LM.step_layers: room for many models in one server
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -165,6 +173,21 @@ class Stepper:
         self.min_rows, self.kernels, self.runtime = min_rows, kernels, runtime
         self.compiled, self.warm_s = fn, time.perf_counter() - t0
         log.info("compiled decode step ready in %.1f s (%s matmuls, %s)", self.warm_s, kernels, runtime)
+
+    def _warm_graphs(self, t0: float) -> None:
+        """CUDA: capture the step's graphs for every bucket, with a progress line each."""
+        self.model.requires_grad_(False)
+        log.info("capturing the decode step as CUDA graphs for 1 to %d rows, serving eagerly meanwhile", self.max_rows)
+        try:
+            with torch.cuda.device(self.model.embed.weight.device):
+                fn = GraphStep(self.model, self.max_rows)
+                fn.capture_all(lambda rows, s: log.info("decode step graph for %d rows captured in %.2f s", rows, s))
+        except Exception:
+            log.exception("capturing the decode step as CUDA graphs failed; serving eagerly")
+            return
+        self.min_rows, self.kernels, self.runtime = 1, "cuda-graphs", "graphs"
+        self.compiled, self.warm_s = fn, time.perf_counter() - t0
+        log.info("CUDA-graph decode step ready in %.1f s (%d buckets)", self.warm_s, len(fn.sizes))
 
     def _aot(self, model: LM, options: dict, min_rows: int) -> AotStep:
         # AOTInductor's generated code is C++ throughout: cpp_wrapper is not one of its settings
@@ -271,7 +294,7 @@ class Stepper:
             tokens, position, *rest = self._scratch
             it = iter(rest)
             layers = [{n: next(it) for n in layer} for layer in layers]
-        if self.runtime == "aoti":  # no guards: what it is handed is checked above (_fits)
+        if self.runtime in ("aoti", "graphs"):  # no guards: what it is handed is checked above (_fits)
             logits, new = self.compiled(tokens.contiguous(), layers, position)
             return logits, State(new, state.position + 1, state.time_dims, logits)
         # The inputs are what the graph was compiled for (_fits, the padding above), so dynamo's

@@ -135,7 +135,8 @@ class Engine:
                  metrics=None, lookahead: bool = True, compile: str = "off", prefill_share: float = PREFILL_SHARE,
                  gemm: str = "inductor", step_runtime: str = "aoti"):
         self.name, self.model, self.tok = name, model, tok
-        self.stepper = Stepper(model, compile, gemm=gemm, runtime=step_runtime)  # model.step, compiled once warm (model/compiled.py)
+        self.stepper = Stepper(model, compile, gemm=gemm, runtime=step_runtime,  # model.step, compiled once warm
+                               max_rows=max_batch)  # (model/compiled.py)
         self.pool: State = model.init_state(slots)
         self.empty = model.init_state(1)
         self.kv = any(self.pool.time_dims)  # some layer keeps a growing KV cache

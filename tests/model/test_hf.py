@@ -218,6 +218,21 @@ def test_cuda_matches_cpu(pair):
     assert step.device.type == "cuda"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@torch.no_grad()
+def test_cuda_snapshot_continues_on_cpu(pair):
+    """A state made on the GPU, saved as a snapshot blob, restores on the CPU model of the same
+    checkpoint and continues within float tolerance."""
+    _, model, out = pair
+    gpu, _ = load_checkpoint(out, device="cuda")
+    _, st = gpu(torch.tensor([PROMPTS[0]]), gpu.init_state(1))
+    blob = st.to_bytes(gpu.fingerprint)
+    on_cpu = State.from_bytes(blob, model.init_state(1), model.fingerprint)
+    a, _ = gpu.step(torch.tensor([3]), st)
+    b, _ = model.step(torch.tensor([3]), on_cpu)
+    assert (a.cpu() - b).abs().max() < TOL
+
+
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """One Mamba checkpoint, and a copy whose config names as eos the fourth token the first
