@@ -166,6 +166,27 @@ def test_gated_chunked_is_finite_under_extreme_gates():
     close(S, Sn)
 
 
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_gated_chunked_mixes_factorised_and_pairwise_chunks(exclusive):
+    """In one call, chunks of mild decay (formed as one matrix product) beside chunks that decay by
+    far more than e^-80 in some channel (formed from pairwise differences): every chunk, the
+    state carried between them and a carried initial state agree with the token loop."""
+    g = gen()
+    B, H, T, K, V = 2, 3, 150, 6, 5
+    q, k = torch.randn(B, H, T, K, generator=g), torch.randn(B, H, T, K, generator=g)
+    v = torch.randn(B, H, T, V, generator=g)
+    logd = -torch.rand(B, H, T, K, generator=g) * 0.5
+    logd[:, 1, 40:90, 2] = -12.0  # head 1's chunks 2-5: steep in one channel only
+    logd[1, 2, :, :] = -torch.rand(T, K, generator=g) * 12  # batch row 1, head 2: steep throughout
+    bonus = torch.randn(H, K, generator=g) if exclusive else None
+    S0 = torch.randn(B, H, K, V, generator=g)
+    on, Sn = gated_attn_naive(q, k, v, logd, S0, bonus)
+    oc, Sc = gated_attn_chunked(q, k, v, logd, S0, True, 16, bonus)
+    assert torch.isfinite(oc).all()
+    close(oc, on)
+    close(Sc, Sn)
+
+
 def rwkv7_inputs(g, B, H, T, K, V, logd_floor=-0.6065):
     """RWKV-7's own ranges: decay in [floor, 0], a = -kk, b = kk * iclr with kk unit-norm, iclr in (0, 1)."""
     q, k = torch.randn(B, H, T, K, generator=g), torch.randn(B, H, T, K, generator=g)
