@@ -252,7 +252,7 @@ def test_rwkv7_chunked_is_exact_at_the_fastest_decay_and_refuses_beyond_float32(
         rwkv7_chunked(q, w * 10, k, v, a, b, S0, True, 16)
 
 
-@pytest.mark.parametrize("T", [0, 1, 9])
+@pytest.mark.parametrize("T", [0, 1, 9, 300])
 @pytest.mark.parametrize("nonzero", [False, True])
 def test_selective_scan(T, nonzero):
     g = gen()
