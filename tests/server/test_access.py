@@ -113,3 +113,34 @@ async def test_choices_wait_for_room_their_own_request_makes(tmp_path):
             assert r.status_code == 429 and "budget" in r.json()["error"]["message"]
             for key in (A, B):
                 assert (await c.get("/v1/sessions", headers=key)).json()["data"] == []
+
+
+async def test_choices_at_once_bounds_a_request_and_a_streamed_refusal_ends_it(tmp_path):
+    """choices_at_once = 1: a request's choices run one after another (a streamed one's chunks come
+    in index order) and give the tokens they give side by side. A further choice refused with no
+    other of its request running (the key's budget spent) ends the stream with an error event, and
+    no session is left."""
+    import json
+    ckpt = make_checkpoint(tmp_path, "tiny-linear")
+    body = {"prompt": "x", "n": 3, "max_tokens": 6, "seed": 9, "temperature": 1.0}
+    texts = {}
+    for at_once in (1, 16):
+        app = create_app(Settings(models=[str(ckpt)], choices_at_once=at_once))
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                r = await c.post("/v1/completions", json={**body, "stream": True})
+                chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+                order = [ch["choices"][0]["index"] for ch in chunks]
+                if at_once == 1:
+                    assert order == sorted(order)
+                texts[at_once] = ["".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"][0]["index"] == k)
+                                  for k in range(3)]
+    assert texts[1] == texts[16]
+    app = create_app(Settings(models=[str(ckpt)], api_keys=["key-a"], max_streams_per_key=1,
+                              tokens_per_minute_per_key=10))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/v1/completions", json={**body, "max_tokens": 12, "stream": True}, headers=A)
+            events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "rate_limited"
+            assert (await c.get("/v1/sessions", headers=A)).json()["data"] == []
