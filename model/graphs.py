@@ -111,7 +111,9 @@ class GraphStep:
                 self._run(rows)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the engine thread keeps stepping eagerly (and synchronising) meanwhile,
+        # which a process-wide capture would refuse
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self._run(rows)
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - t0
