@@ -179,7 +179,8 @@ class Stepper:
         self.model.requires_grad_(False)
         log.info("capturing the decode step as CUDA graphs for 1 to %d rows, serving eagerly meanwhile", self.max_rows)
         try:
-            with torch.cuda.device(self.model.embed.weight.device):
+            # one capture at a time in the process (several models' captures would share the device's streams)
+            with _COMPILING, torch.cuda.device(self.model.embed.weight.device):
                 fn = GraphStep(self.model, self.max_rows)
                 fn.capture_all(lambda rows, s: log.info("decode step graph for %d rows captured in %.2f s", rows, s))
         except Exception:

@@ -12,7 +12,8 @@ the first B static rows (one foreach copy), replays the smallest bucket that hol
 copies the new state back into the caller's tensors (another), so the caller's state is updated
 where it lies, as `LM.step` does for most mixers. The bucket's other rows are padding: stepped
 along, never read back (every op of a step is row-wise, so they change nothing for the real
-rows).
+rows). Padding rows hold whatever rows were copied there last and keep being stepped, so over a
+long run their values may grow to inf or NaN; being row-wise, that stays in their rows.
 
 Buckets are powers of two up to `max_rows` (and `max_rows` itself): log2(max_rows) graphs,
 padding at most 2x. A row's results may differ in the low bits between buckets on a GPU (the
@@ -64,6 +65,7 @@ class GraphStep:
         self.graphs: dict[int, tuple[object, Tensor]] = {}  # rows -> (graph, its logits)
         self.heads: dict[int, tuple[Tensor, list[Tensor]]] = {}  # B -> the first B rows of the inputs (views)
         self.pool = torch.cuda.graph_pool_handle() if self.replay else None  # one memory pool for all graphs
+        self.stream = torch.cuda.Stream(dev) if self.replay else None  # this step's own, for warm-up and capture
         self.capture_s = 0.0
 
     def _head(self, B: int) -> tuple[Tensor, list[Tensor]]:
@@ -104,7 +106,7 @@ class GraphStep:
 
     def _capture(self, rows: int) -> tuple[object, Tensor]:
         t0 = time.perf_counter()
-        side = torch.cuda.Stream()
+        side = self.stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(side):
             for _ in range(2):  # warm-up off the capture: lazy library handles, workspaces, autotuning
@@ -113,11 +115,11 @@ class GraphStep:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the engine thread keeps stepping eagerly (and synchronising) meanwhile,
         # which a process-wide capture would refuse
-        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, stream=side,
+                                                capture_error_mode="thread_local"):
             logits = self._run(rows)
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - t0
-        log.info("captured the decode step for %d rows in %.2f s", rows, time.perf_counter() - t0)
         return graph, logits
 
     def __call__(self, tokens: Tensor, layers: list[dict[str, Tensor]], position: Tensor

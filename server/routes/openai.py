@@ -133,8 +133,8 @@ class Choices:
     the state its prompt reached (cached: the prompt is prefilled once). At most `at_once`
     generate together; a choice refused for room while others of the request run is tried again
     when one of them ends, so a request that fits one choice at a time is served whole, as it was
-    when choices ran one after another. Seeded choices give the tokens they gave then: a row's
-    tokens do not depend on its batch."""
+    when choices ran one after another. Seeded choices give the tokens they gave then on a CPU,
+    where a row's tokens do not depend on its batch (on CUDA, only up to the BLAS's low bits)."""
 
     def __init__(self, start: Callable[[int], Awaitable[Run]], first: Run, count: int, per: int, at_once: int):
         self.start, self.count, self.per, self.at_once = start, count, per, at_once
@@ -155,6 +155,7 @@ class Choices:
         gens: dict[int, AsyncIterator] = {}
         waiting = list(range(1, self.count))
         live, blocked = 1, False  # runs started and not done; a refusal waits for one to end
+        refused = False  # once refused for room, choices start one at a time (not all at once to be refused again)
 
         def track(coro, what: str, k: int):
             t = asyncio.ensure_future(coro)
@@ -168,7 +169,7 @@ class Choices:
         def launch():
             starting = sum(1 for what, _ in tasks.values() if what == "start")
             for k in list(waiting):
-                if live + starting >= self.at_once:
+                if live + starting >= self.at_once or (refused and starting):
                     return
                 if k % self.per and k - k % self.per not in self.runs:  # after its prompt's first choice
                     continue
@@ -192,7 +193,7 @@ class Choices:
                     except APIError as e:
                         if e.type in ROOM and (live or any(w == "start" for w, _ in tasks.values())):
                             waiting.insert(sum(1 for w in waiting if w < k), k)
-                            blocked = True
+                            blocked = refused = True
                             continue
                         raise
                     self.runs[k] = run
@@ -210,14 +211,21 @@ class Choices:
                 raise RuntimeError(f"choices {waiting} never started")
         finally:
             for t, (what, _) in tasks.items():
-                t.cancel()
-                if what == "start":  # a run that started all the same is let go too
+                if what == "start":  # not cancelled (a cancel amid the slot's allocation could lose it): let go once started
                     t.add_done_callback(_let_go_started)
+                else:
+                    t.cancel()
+                    t.add_done_callback(_retrieved)
             self.let_go()
 
 
+def _retrieved(t: asyncio.Task) -> BaseException | None:
+    """A task's outcome, read so that its exception (the response being over) is not logged as lost."""
+    return None if t.cancelled() else t.exception()
+
+
 def _let_go_started(t: asyncio.Task) -> None:
-    if not t.cancelled() and t.exception() is None:
+    if _retrieved(t) is None and not t.cancelled():
         t.result().stream.let_go()
 
 

@@ -115,6 +115,24 @@ async def test_choices_wait_for_room_their_own_request_makes(tmp_path):
                 assert (await c.get("/v1/sessions", headers=key)).json()["data"] == []
 
 
+    # once refused, the waiting choices start one at a time: each is refused at most once (not
+    # all of them again every time one ends, each after a slot and a prefill)
+    app = create_app(Settings(models=[str(ckpt)], api_keys=["key-a"], max_streams_per_key=1))
+    async with app.router.lifespan_context(app):
+        rt, starts = app.state.runtime, []
+        start = rt.start_from_prefix
+
+        async def counted(*a, **kw):
+            starts.append(1)
+            return await start(*a, **kw)
+        rt.start_from_prefix = counted
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/v1/completions", json={**body, "n": 6, "max_tokens": 3}, headers=A)
+            assert r.status_code == 200 and len(r.json()["choices"]) == 6
+            assert 6 <= len(starts) <= 2 * 6 - 1, len(starts)
+            assert (await c.get("/v1/sessions", headers=A)).json()["data"] == []
+
+
 async def test_choices_at_once_bounds_a_request_and_a_streamed_refusal_ends_it(tmp_path):
     """choices_at_once = 1: a request's choices run one after another (a streamed one's chunks come
     in index order) and give the tokens they give side by side. A further choice refused with no
