@@ -113,6 +113,18 @@ GROWING_HEAD = len(GROWING) + 20
 INLINE_WRITE = 1 << 20  # bytes: a disk write up to this size runs on the event loop (DiskStore._run)
 
 
+def _write_all(fd: int, parts: list[bytes]) -> None:
+    """os.writev until every byte of `parts` is written (a write may take fewer)."""
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
 class DiskStore:
     """File layout: MAGIC, 64 hex chars of sha256(payload), 20 chars of expiry (0 = never), payload;
     or, for values written by offset, GROWING, 20 chars of expiry, payload (see the module doc).
@@ -131,23 +143,28 @@ class DiskStore:
         self.min_free = min_free
 
     def _path(self, key: str) -> Path:
+        """root/kind/id. The key's two parts are letters, digits, '_' and '-' only (check_key), so
+        the path cannot leave the store; no resolve (its realpath syscalls cost ~0.1 ms a write)."""
         kind, ident = check_key(key).split("/", 1)
-        p = (self.root / kind / ident).resolve()
-        if p.parent.parent != self.root:  # the key regex already forbids it; belt and braces
-            raise ValueError(f"store key {key!r} escapes the store")
-        return p
+        return self.root / kind / ident
 
     def _write(self, path: Path, value: bytes, expiry: float) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+        tmp = f"{path.parent}/.{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+        head = MAGIC + hashlib.sha256(value).hexdigest().encode() + f"{expiry:020.3f}".encode()
         try:
-            with open(tmp, "wb") as f:
-                f.write(MAGIC + hashlib.sha256(value).hexdigest().encode() + f"{expiry:020.3f}".encode() + value)
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:  # the kind's directory, made on its first write
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, [head, value])  # the value is not copied behind the header
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            Path(tmp).unlink(missing_ok=True)
             raise StoreUnavailable(f"disk store: {e.strerror or e}") from None
 
     def _read(self, path: Path) -> tuple[bytes, float, bool] | None:
