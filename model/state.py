@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import struct
 from collections.abc import Sequence
@@ -105,8 +106,16 @@ class State:
     def row_nbytes(self, row: int = 0) -> int:
         """Bytes one session's state occupies (KV caches counted up to its position)."""
         p = int(self.position[row])
-        return self.next_logits[row].nbytes + sum(self._trimmed(i, n, t[row:row + 1], p).nbytes
-                                                  for i, layer in enumerate(self.layers) for n, t in layer.items())
+        total = self.next_logits.shape[-1] * self.next_logits.element_size()
+        for i, layer in enumerate(self.layers):  # arithmetic on shapes: no views made (a persist asks for it)
+            dims = self.time_dims[i]
+            for n, t in layer.items():
+                per_row = t.numel() // t.shape[0] if t.shape[0] else math.prod(t.shape[1:])
+                d = dims.get(n)
+                if d is not None:
+                    per_row = per_row // t.shape[d] * min(p, t.shape[d]) if t.shape[d] else 0
+                total += per_row * t.element_size()
+        return total
 
     def select(self, rows: list[int]) -> "State":
         """Rows of a batched state. A contiguous run of rows is a view (no copy), so stepping it
