@@ -8,11 +8,11 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.openapi.utils import get_openapi
-from starlette.exceptions import HTTPException
 
 from . import errors
 from .connections import BodyTimeout
-from .errors import body, reply
+from .errors import BodyTooLarge, body
+from .hot import HotRoutes
 from .routes import docs, openai, sessions, system
 from .runtime import Runtime
 from .schemas import Restore
@@ -54,10 +54,6 @@ class BodyLimit:
                     raise BodyTooLarge(413, message)
             return msg
         await self.app(scope, limited, send)
-
-
-class BodyTooLarge(HTTPException):
-    """Raised from inside the body read: an HTTPException, so FastAPI's body parsing lets it through."""
 
 
 async def _reject(send, message: str):
@@ -114,13 +110,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="linstream", version="0.1.0", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None,
                   description="Streaming inference for recurrent language models, with explicit sessions.")
     errors.install(app)
-    # the rest of the body stays unread: the connection closes after the answer (see _reject)
-    app.add_exception_handler(BodyTooLarge, lambda _, e: reply("request_too_large", e.detail, 413, {"Connection": "close"}))
     for r in (sessions.router, openai.router, system.router, docs.router):
         app.include_router(r)
     app.openapi = lambda: _openapi(app)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_api_route("/", lambda: FileResponse(STATIC / "index.html"), include_in_schema=False)
+    app.add_middleware(HotRoutes)  # innermost: inside the body's limits
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, json_limit=settings.max_json_bytes)
     app.add_middleware(BodyTimeout, timeout=settings.body_timeout)
     return app

@@ -18,6 +18,12 @@ class APIError(Exception):
         self.status, self.type, self.message, self.headers = status, type, message, headers
 
 
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from inside the body read (app.BodyLimit): an HTTPException, so that FastAPI's body
+    parsing lets it through. The rest of the body stays unread, so the connection closes after
+    the answer."""
+
+
 def not_found(what: str, id: str) -> APIError:
     return APIError(404, "not_found", f"{what} {id!r} not found")
 
@@ -44,28 +50,31 @@ def invalid(errors: list[dict]) -> tuple[dict, int]:
     return (body("invalid_unicode", msg), 400) if text else (body("invalid_request", msg), 422)
 
 
-def install(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api(_: Request, e: APIError):
+def response_for(e: Exception) -> JSONResponse:
+    """What the client is told for an exception raised while a request is served: the app's
+    exception handlers and the hot routes (server/hot.py) both answer with this."""
+    if isinstance(e, APIError):
         return reply(e.type, e.message, e.status, e.headers)
-
-    @app.exception_handler(SnapshotError)
-    async def _snap(_: Request, e: SnapshotError):
+    if isinstance(e, SnapshotError):
         return reply(e.kind, str(e), 400)
-
-    @app.exception_handler(StoreUnavailable)
-    async def _store(_: Request, e: StoreUnavailable):
+    if isinstance(e, StoreUnavailable):
         return reply("store_unavailable", f"the session store cannot be reached ({e}); nothing was "
                      "changed unless this message says otherwise: retry shortly", 503, {"Retry-After": "1"})
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError):
+    if isinstance(e, RequestValidationError):
         return JSONResponse(*invalid(e.errors()))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException):
+    if isinstance(e, BodyTooLarge):
+        return reply("request_too_large", e.detail, 413, {"Connection": "close"})
+    if isinstance(e, StarletteHTTPException):
         return reply("http_error", str(e.detail), e.status_code, getattr(e, "headers", None))
+    return reply("internal_error", f"{type(e).__name__}: {e}", 500)  # a bug: still JSON, and the server goes on
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception):  # a bug: still JSON, and the server goes on
-        return reply("internal_error", f"{type(e).__name__}: {e}", 500)
+
+# the exceptions a route raises on purpose; any other is a bug
+EXPECTED = (APIError, SnapshotError, StoreUnavailable, RequestValidationError, StarletteHTTPException)
+
+
+def install(app: FastAPI) -> None:
+    async def handle(_: Request, e: Exception):
+        return response_for(e)
+    for kind in (*EXPECTED, Exception):
+        app.add_exception_handler(kind, handle)

@@ -23,7 +23,7 @@ from ..errors import APIError
 from ..schemas_openai import MAX_RUNS, Chat, Completion, OpenAISampling, chat_prompt, unsupported
 from ..sessions import Session
 from ..streaming import DONE_FRAME, Gathered, Stream, data_frame, events, sse_response
-from .deps import RT
+from .deps import RT, json_body
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -366,8 +366,8 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
                                     [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))])
             out.append({"index": pi * n + j, "text": prefix + done["text"], "finish_reason": _finish(done),
                         "logprobs": lps})
-    return {**base, "choices": out, "usage": _usage(prompt_tokens, completion_tokens),
-            **({"session_id": first.session.id} if not first.temp else {})}
+    return json_body({**base, "choices": out, "usage": _usage(prompt_tokens, completion_tokens),
+                      **({"session_id": first.session.id} if not first.temp else {})})
 
 
 def _chat_logprobs(tok, entries) -> dict:
@@ -417,8 +417,8 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
         out.append({"index": k, "message": {"role": "assistant", "content": done["text"]},
                     "finish_reason": _finish(done), "logprobs": lps})
         usage = _usage(done["usage"]["prompt_tokens"], usage["completion_tokens"] + done["usage"]["completion_tokens"])
-    return {**base, "object": "chat.completion", "choices": out, "usage": usage,
-            **({"session_id": first.session.id} if not first.temp else {})}
+    return json_body({**base, "object": "chat.completion", "choices": out, "usage": usage,
+                      **({"session_id": first.session.id} if not first.temp else {})})
 
 
 def model_card(rt, name: str, e: Engine) -> dict:

@@ -1,0 +1,136 @@
+"""The hot routes served as plain ASGI: session create, push and generate, and the OpenAI
+completions and chat completions.
+
+FastAPI's request machinery (routing, solving the dependencies, validating the body, wrapping
+the response) costs about as much as the route's own work for a 1-token push or completion
+(~0.3 ms of the server's CPU a request, measured from /proc). These routes are what a client
+calls per turn, so they are matched here first, by method and path, and served by the
+same route functions FastAPI would call, with the same schemas and the same error bodies.
+
+Only a body that FastAPI would take the same way is served here: JSON (no content type, or
+application/json) that orjson parses and the route's schema accepts. Anything else (no body, a
+body that fails validation, a lone surrogate, NaN) is handed, unread bytes and all, to the
+FastAPI app, so that every error a client can see is exactly FastAPI's. Nothing has happened
+to a session by then: the route runs only after the body is accepted.
+"""
+from __future__ import annotations
+
+import logging
+
+import orjson
+from starlette.requests import Request
+
+from .errors import EXPECTED, response_for
+from .routes import openai, sessions
+from .schemas import CreateSession, Generate, Push
+from .schemas_openai import Chat, Completion
+
+log = logging.getLogger("linstream")
+
+PREFIX = "/v1/sessions"
+
+
+# Each route as the hot path calls it: (runtime, owner, body, session id, request)
+async def _create(rt, owner, req, _sid, _request):
+    return await sessions.create(req, rt, owner)
+
+
+async def _push(rt, owner, req, sid, _request):
+    return await sessions.push(sid, owner, req, rt)
+
+
+async def _generate(rt, owner, req, sid, _request):
+    return await sessions.generate(sid, owner, req, rt)
+
+
+async def _completions(rt, owner, req, _sid, request):
+    return await openai.completions(req, rt, owner, request)
+
+
+async def _chat(rt, owner, req, _sid, request):
+    return await openai.chat(req, rt, owner, request)
+
+
+# a path -> (its body's schema, the route); a session's verb -> the same
+PATHS = {PREFIX: (CreateSession, _create), "/v1/completions": (Completion, _completions),
+         "/v1/chat/completions": (Chat, _chat)}
+VERBS = {"push": (Push, _push), "generate": (Generate, _generate)}
+
+
+def match(path: str):
+    """-> (schema, route, session id or None) for a hot route's path, or None."""
+    hit = PATHS.get(path)
+    if hit is not None:
+        return (*hit, None)
+    if not path.startswith(PREFIX + "/"):
+        return None
+    sid, _, verb = path[len(PREFIX) + 1:].partition("/")
+    hit = VERBS.get(verb) if sid else None
+    return (*hit, sid) if hit else None
+
+
+def _json(headers: list) -> bool:
+    """FastAPI reads a body as JSON with no content type or an application/json one."""
+    for k, v in headers:
+        if k == b"content-type":
+            return v.split(b";", 1)[0].strip().lower() == b"application/json"
+    return True
+
+
+class HotRoutes:
+    """ASGI middleware: the hot routes served directly, everything else passed to `app`."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        hit = match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if hit is None or not _json(scope["headers"]):
+            return await self.app(scope, receive, send)
+        schema, route, sid = hit
+        chunks, more = [], True
+        try:
+            while more:
+                msg = await receive()
+                if msg["type"] != "http.request":
+                    return  # the client left (or its body timed out: app.BodyTimeout answers)
+                chunks.append(msg.get("body", b""))
+                more = msg.get("more_body", False)
+        except Exception as e:  # app.BodyLimit's 413
+            return await response_for(e)(scope, receive, send)
+        data = b"".join(chunks)
+        try:
+            req = schema.model_validate(orjson.loads(data)) if data else None
+        except Exception:  # not JSON, not valid, or refused by a validator of the schema's own
+            req = None
+        if req is None:  # FastAPI's answer, from the same bytes
+            return await self.app(scope, _replay(data, receive), send)
+        rt = scope["app"].state.runtime
+        try:
+            owner = rt.keys.owner(_header(scope["headers"], b"authorization"))
+            response = await route(rt, owner, req, sid, Request(scope, receive))
+        except Exception as e:
+            if not isinstance(e, EXPECTED):  # a bug: logged with its traceback, as uvicorn would
+                log.exception("%s %s", scope["method"], scope["path"])
+            response = response_for(e)
+        await response(scope, receive, send)
+
+
+def _header(headers: list, name: bytes) -> str | None:
+    for k, v in headers:
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+def _replay(data: bytes, receive):
+    """`receive` with the body already read given back first, whole."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": data, "more_body": False}
+    return replay

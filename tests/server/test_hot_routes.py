@@ -1,0 +1,161 @@
+"""The hot routes (server/hot.py): create, push and generate served as plain ASGI answer exactly
+as FastAPI's routes do, and hand FastAPI every body they do not take as FastAPI would."""
+import httpx
+import pytest
+import pytest_asyncio
+
+from server import hot
+from server.app import create_app
+from server.schemas import CreateSession
+from server.schemas_openai import Chat, Completion
+from server.settings import Settings
+
+from ..helpers import make_checkpoint
+
+KEY = "k-hot"
+AUTH = {"authorization": f"Bearer {KEY}"}
+# FastAPI reads application/*+json bodies as JSON too; the hot routes take application/json
+# only, so this content type sends the same request down FastAPI's own path
+VIA_FASTAPI = {"content-type": "application/x-test+json"}
+VIA_HOT = {"content-type": "application/json"}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(tmp_path_factory):
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt"), "tiny-linear")
+    app = create_app(Settings(models=[str(ckpt)], store="memory", api_keys=[KEY], max_new_tokens=64))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            yield c
+
+
+@pytest.fixture
+def served_hot(monkeypatch):
+    """The names of the requests the hot routes serve themselves, in order."""
+    seen = []
+    for table in (hot.PATHS, hot.VERBS):
+        for key, (schema, route) in list(table.items()):
+            async def spy(*a, route=route, name=key):
+                seen.append(name)
+                return await route(*a)
+            monkeypatch.setitem(table, key, (schema, spy))
+    return seen
+
+
+def test_paths_matched():
+    assert hot.match("/v1/sessions")[2] is None and hot.match("/v1/sessions")[0] is CreateSession
+    assert hot.match("/v1/completions")[0] is Completion and hot.match("/v1/chat/completions")[0] is Chat
+    assert hot.match("/v1/sessions/s-1/push")[2] == "s-1"
+    assert hot.match("/v1/sessions/s-1/generate")[2] == "s-1"
+    for path in ("/v1/sessions/", "/v1/sessionsx", "/v1/sessions/s-1", "/v1/sessions/s-1/push/",
+                 "/v1/sessions//push", "/v1/sessions/a/b/push", "/v1/sessions/restore", "/v1/sessions/s-1/fork",
+                 "/v1/completions/", "/v1/models"):
+        assert hot.match(path) is None, path
+
+
+async def both(c, path: str, body: bytes, headers=AUTH):
+    """The same request through the hot route and through FastAPI's: -> (hot, fastapi)."""
+    a = await c.post(path, content=body, headers={**headers, **VIA_HOT})
+    b = await c.post(path, content=body, headers={**headers, **VIA_FASTAPI})
+    return a, b
+
+
+def same(a: httpx.Response, b: httpx.Response, ignore=("id",)):
+    assert a.status_code == b.status_code, (a.text, b.text)
+    assert a.headers["content-type"] == b.headers["content-type"]
+    ja, jb = a.json(), b.json()
+    if isinstance(ja, dict) and "error" not in ja:
+        for k in ignore:
+            ja.pop(k, None), jb.pop(k, None)
+    assert ja == jb
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_hot_and_fastapi_answer_alike(client, served_hot):
+    a, b = await both(client, "/v1/sessions", b'{"tokens": [5, 6, 7]}')
+    same(a, b, ignore=("id", "created_at", "last_used_at"))
+    assert a.status_code == 201 and served_hot == ["/v1/sessions"]
+    sa, sb = a.json()["id"], b.json()["id"]
+    for body in (b'{"tokens": [9]}', b'{"text": "hello"}'):
+        ra = await client.post(f"/v1/sessions/{sa}/push", content=body, headers={**AUTH, **VIA_HOT})
+        rb = await client.post(f"/v1/sessions/{sb}/push", content=body, headers={**AUTH, **VIA_FASTAPI})
+        same(ra, rb, ignore=("prefill_ms",))
+    gen = b'{"max_tokens": 12, "temperature": 0, "stream": false, "logprobs": 2}'
+    ra = await client.post(f"/v1/sessions/{sa}/generate", content=gen, headers={**AUTH, **VIA_HOT})
+    rb = await client.post(f"/v1/sessions/{sb}/generate", content=gen, headers={**AUTH, **VIA_FASTAPI})
+    same(ra, rb, ignore=("id", "elapsed_ms", "ttft_ms", "tokens_per_s", "timings"))
+    assert ra.json()["tokens"] and ra.json()["tokens"] == rb.json()["tokens"]
+    gen = b'{"max_tokens": 6, "temperature": 0.8, "seed": 3}'  # streamed (the default)
+    ra = await client.post(f"/v1/sessions/{sa}/generate", content=gen, headers={**AUTH, **VIA_HOT})
+    rb = await client.post(f"/v1/sessions/{sb}/generate", content=gen, headers={**AUTH, **VIA_FASTAPI})
+    assert ra.status_code == rb.status_code == 200
+    assert ra.headers["content-type"] == rb.headers["content-type"]
+    events = [ln for ln in ra.text.splitlines() if ln.startswith(("event:", "id:"))]
+    assert events and events == [ln for ln in rb.text.splitlines() if ln.startswith(("event:", "id:"))]
+    assert "data: [DONE]" in ra.text
+    assert served_hot == ["/v1/sessions", "push", "push", "generate", "generate"]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_openai_routes_alike(client, served_hot):
+    for path, body in (("/v1/completions", b'{"model": "linear", "prompt": "The", "max_tokens": 5, "temperature": 0}'),
+                       ("/v1/chat/completions", b'{"model": "linear", "max_tokens": 5, "temperature": 0, '
+                                                b'"messages": [{"role": "user", "content": "hi"}]}')):
+        a, b = await both(client, path, body)
+        same(a, b, ignore=("id", "created"))
+        assert a.status_code == 200 and a.json()["choices"]
+        a, b = await both(client, path, body[:-1] + b', "stream": true}')
+        assert a.status_code == b.status_code == 200 and a.text.endswith("data: [DONE]\r\n\r\n")
+        assert [ln[:20] for ln in a.text.splitlines()] and a.text.count("data:") == b.text.count("data:")
+        a, b = await both(client, path, body[:-1] + b', "n": 0}')  # refused by the schema: FastAPI's 422
+        same(a, b)
+        assert a.status_code == 422
+    assert served_hot == ["/v1/completions"] * 2 + ["/v1/chat/completions"] * 2
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_errors_alike(client, served_hot):
+    sid = (await client.post("/v1/sessions", json={}, headers=AUTH)).json()["id"]
+    served_hot.clear()
+    cases = [  # (path, body, headers, status)
+        ("/v1/sessions/nope/push", b'{"tokens": [1]}', AUTH, 404),
+        (f"/v1/sessions/{sid}/push", b'{"tokens": [1]}', {}, 401),  # no key
+        (f"/v1/sessions/{sid}/push", b'{"tokens": [1]}', {"authorization": "Bearer wrong"}, 401),
+        (f"/v1/sessions/{sid}/push", b'{"tokens": [99999]}', AUTH, 400),  # not in the vocabulary
+        (f"/v1/sessions/{sid}/generate", b'{"max_tokens": 1000, "stream": false}', AUTH, 413),
+        ("/v1/sessions", b'{"model": "nope"}', AUTH, 400),  # unknown_model
+    ]
+    for path, body, headers, status in cases:
+        a, b = await both(client, path, body, headers)
+        same(a, b)
+        assert a.status_code == status, (path, body, a.text)
+    assert len(served_hot) == len(cases) - 2  # on the hot path: the 401s before the route, the rest by it
+    # bodies the hot routes hand to FastAPI: its own answers, from the same bytes
+    served_hot.clear()
+    handed = [(b'{"tokens": [1], "extra": 1}', 422), (b'{"max_tokens": -1}', 422), (b"not json", 422),
+              (b"", 422), (b'{"text": "\\ud800"}', 400), (b"[1, 2]", 422), (b'{"temperature": NaN}', 422)]
+    for body, status in handed:
+        path = f"/v1/sessions/{sid}/generate" if b"max_tokens" in body or b"temperature" in body \
+            else f"/v1/sessions/{sid}/push"
+        a, b = await both(client, path, body)
+        same(a, b)
+        assert a.status_code == status, (body, a.text)
+    assert served_hot == []
+    # a body that fails validation from a caller without a key: 401, as FastAPI checks the key first
+    a, b = await both(client, f"/v1/sessions/{sid}/push", b'{"bad": 1}', {})
+    same(a, b)
+    assert a.status_code == 401
+    # the session is untouched by all of it
+    r = await client.get(f"/v1/sessions/{sid}", headers=AUTH)
+    assert r.status_code == 200 and r.json()["position"] == 0
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_other_methods_and_charset(client, served_hot):
+    r = await client.get("/v1/sessions", headers=AUTH)  # listed by FastAPI
+    assert r.status_code == 200 and "data" in r.json()
+    r = await client.put("/v1/sessions/x/push", content=b"{}", headers=AUTH)
+    assert r.status_code == 405
+    r = await client.post("/v1/sessions", content=b'{"tokens": [3]}',
+                          headers={**AUTH, "content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 201 and served_hot == ["/v1/sessions"]
