@@ -30,31 +30,13 @@ log = logging.getLogger("linstream")
 PREFIX = "/v1/sessions"
 
 
-# Each route as the hot path calls it: (runtime, owner, body, session id, request)
-async def _create(rt, owner, req, _sid, _request):
-    return await sessions.create(req, rt, owner)
-
-
-async def _push(rt, owner, req, sid, _request):
-    return await sessions.push(sid, owner, req, rt)
-
-
-async def _generate(rt, owner, req, sid, _request):
-    return await sessions.generate(sid, owner, req, rt)
-
-
-async def _completions(rt, owner, req, _sid, request):
-    return await openai.completions(req, rt, owner, request)
-
-
-async def _chat(rt, owner, req, _sid, request):
-    return await openai.chat(req, rt, owner, request)
-
-
-# a path -> (its body's schema, the route); a session's verb -> the same
-PATHS = {PREFIX: (CreateSession, _create), "/v1/completions": (Completion, _completions),
-         "/v1/chat/completions": (Chat, _chat)}
-VERBS = {"push": (Push, _push), "generate": (Generate, _generate)}
+# a path -> (its body's schema, its route as called here: (runtime, owner, body, session id,
+# request) -> a coroutine); VERBS: the same for /v1/sessions/{id}/<verb>
+PATHS = {PREFIX: (CreateSession, lambda rt, owner, req, sid, request: sessions.create(req, rt, owner)),
+         "/v1/completions": (Completion, lambda rt, owner, req, sid, request: openai.completions(req, rt, owner, request)),
+         "/v1/chat/completions": (Chat, lambda rt, owner, req, sid, request: openai.chat(req, rt, owner, request))}
+VERBS = {"push": (Push, lambda rt, owner, req, sid, request: sessions.push(sid, owner, req, rt)),
+         "generate": (Generate, lambda rt, owner, req, sid, request: sessions.generate(sid, owner, req, rt))}
 
 
 def match(path: str):
