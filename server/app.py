@@ -13,6 +13,7 @@ from . import errors
 from .connections import BodyTimeout
 from .errors import BodyTooLarge, body
 from .hot import HotRoutes
+from .metrics import CountRequests
 from .routes import docs, openai, sessions, system
 from .runtime import Runtime
 from .schemas import Restore
@@ -118,4 +119,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(HotRoutes)  # innermost: inside the body's limits
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, json_limit=settings.max_json_bytes)
     app.add_middleware(BodyTimeout, timeout=settings.body_timeout)
+    app.add_middleware(CountRequests)  # outermost: the body limits' answers are counted too
     return app

@@ -40,15 +40,15 @@ VERBS = {"push": (Push, lambda rt, owner, req, sid, request: sessions.push(sid, 
 
 
 def match(path: str):
-    """-> (schema, route, session id or None) for a hot route's path, or None."""
+    """-> (schema, route, session id or None, the route's template) for a hot route's path, or None."""
     hit = PATHS.get(path)
     if hit is not None:
-        return (*hit, None)
+        return (*hit, None, path)
     if not path.startswith(PREFIX + "/"):
         return None
     sid, _, verb = path[len(PREFIX) + 1:].partition("/")
     hit = VERBS.get(verb) if sid else None
-    return (*hit, sid) if hit else None
+    return (*hit, sid, f"{PREFIX}/{{sid}}/{verb}") if hit else None
 
 
 def _json(headers: list) -> bool:
@@ -69,7 +69,8 @@ class HotRoutes:
         hit = match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if hit is None or not _json(scope["headers"]):
             return await self.app(scope, receive, send)
-        schema, route, sid = hit
+        schema, route, sid, template = hit
+        scope["linstream.route"] = template  # what metrics.CountRequests labels it with
         chunks, more = [], True
         try:
             while more:

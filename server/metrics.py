@@ -46,3 +46,32 @@ class Metrics:
                                         ["model"], registry=r)
         self.prefix_bytes = Gauge("linstream_prefix_cache_bytes", "Bytes of prefix states held", registry=r)
         self.prefix_entries = Gauge("linstream_prefix_cache_entries", "Prefix states held", registry=r)
+
+
+class CountRequests:
+    """ASGI middleware: `linstream_requests{route, status}` for every HTTP request, counted when
+    its response ends. The route is its template ("/v1/sessions/{sid}/push"), as FastAPI's router
+    or the hot routes (server/hot.py: scope["linstream.route"]) matched it, or "unmatched", so
+    that no client can grow the set of labels; the status is "none" where no response was
+    sent (the client left first)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = "none"
+
+        async def sending(msg):
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = str(msg["status"])
+            await send(msg)
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = scope.get("linstream.route") or getattr(scope.get("route"), "path", None) or "unmatched"
+            rt = getattr(scope["app"].state, "runtime", None)
+            if rt is not None:
+                rt.metrics.requests.labels(route, status).inc()

@@ -159,3 +159,34 @@ async def test_other_methods_and_charset(client, served_hot):
     r = await client.post("/v1/sessions", content=b'{"tokens": [3]}',
                           headers={**AUTH, "content-type": "application/json; charset=utf-8"})
     assert r.status_code == 201 and served_hot == ["/v1/sessions"]
+
+
+def requests_counted(text: str) -> dict[tuple[str, str], float]:
+    """linstream_requests_total by (route, status), from /metrics."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("linstream_requests_total{"):
+            labels, value = line[len("linstream_requests_total{"):].rsplit("} ", 1)
+            d = dict(kv.split("=", 1) for kv in labels.split(","))
+            out[(d["route"].strip('"'), d["status"].strip('"'))] = float(value)
+    return out
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_requests_are_counted_by_route_template_and_status(client):
+    before = requests_counted((await client.get("/metrics", headers=AUTH)).text)
+    sid = (await client.post("/v1/sessions", json={"tokens": [4]}, headers=AUTH)).json()["id"]
+    for _ in range(3):
+        assert (await client.post(f"/v1/sessions/{sid}/push", json={"tokens": [5]}, headers=AUTH)).status_code == 200
+    assert (await client.post(f"/v1/sessions/{sid}/push", content=b'{"x": 1}', headers={**AUTH, **VIA_FASTAPI})
+            ).status_code == 422
+    assert (await client.post("/v1/sessions/nope/push", json={"tokens": [5]}, headers=AUTH)).status_code == 404
+    assert (await client.post(f"/v1/sessions/{sid}/fork", headers=AUTH)).status_code == 201  # FastAPI's route
+    assert (await client.get(f"/no/such/path/{sid}", headers=AUTH)).status_code == 404
+    assert (await client.post("/v1/sessions", json={}, headers={"authorization": "Bearer wrong"})).status_code == 401
+    after = requests_counted((await client.get("/metrics", headers=AUTH)).text)
+    grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert grew == {("/v1/sessions", "201"): 1, ("/v1/sessions/{sid}/push", "200"): 3,
+                    ("/v1/sessions/{sid}/push", "422"): 1, ("/v1/sessions/{sid}/push", "404"): 1,
+                    ("/v1/sessions/{sid}/fork", "201"): 1, ("unmatched", "404"): 1, ("/v1/sessions", "401"): 1,
+                    ("/metrics", "200"): 1}
