@@ -4,7 +4,6 @@ from the longest cached state, and the states at the end of its prompt and of it
 are cached for the request that follows."""
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from model.generate import prefill
@@ -12,7 +11,7 @@ from model.generate import prefill
 from .engine import Engine, Job
 from .metrics import Metrics
 from .prefix_cache import NEXT_MESSAGE, PrefixCache, Turn, as_resent, splits_between
-from .prompts import check_length, tokens_of
+from .prompts import check_length, encode, tokens_of
 from .residency import Residency
 from .sessions import Session
 from .settings import Settings
@@ -81,7 +80,7 @@ class PrefixReuse:
             # the next request goes on after `follow`: tokenized alone, its trailing whitespace
             # would merge into one token where the next request's text splits it
             probe = NEXT_MESSAGE if turn.follow else ""
-            tail = await asyncio.to_thread(eng.tok.encode, text + turn.follow + probe)
+            tail = await encode(eng, text + turn.follow + probe)
             if probe:
                 if not tail or eng.tok.decode(tail[-1:]) != probe:
                     return

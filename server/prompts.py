@@ -20,8 +20,7 @@ async def tokens_of(eng: Engine, text: str | None, tokens: list[int] | None, cfg
         cap = cfg.max_prompt_bytes
         if len(text) > cap or len(text.encode()) > cap:  # chars <= bytes: the first test is free
             raise APIError(413, "prompt_too_long", f"the prompt text exceeds max_prompt_bytes={cap} (UTF-8)")
-        # a short text costs less than the hop to a worker thread (~0.2 ms): ~0.05 ms per 256 chars
-        ids = eng.tok.encode(text) if len(text) <= INLINE_CHARS else await asyncio.to_thread(eng.tok.encode, text)
+        ids = await encode(eng, text)
     else:
         ids = list(tokens or [])
     check_length(len(ids), cfg)
@@ -30,6 +29,13 @@ async def tokens_of(eng: Engine, text: str | None, tokens: list[int] | None, cfg
     if bad:
         raise APIError(400, "invalid_token", f"token ids must lie in [0, {V}); got {bad[:5]}")
     return ids
+
+
+async def encode(eng: Engine, text: str) -> list[int]:
+    """The ids of `text`: past INLINE_CHARS in a worker thread, so that a big text stalls nobody;
+    a short one on the event loop, where it costs less than the hop (~0.05 ms per 256 chars
+    against ~0.2 ms)."""
+    return eng.tok.encode(text) if len(text) <= INLINE_CHARS else await asyncio.to_thread(eng.tok.encode, text)
 
 
 def check_length(n: int, cfg: Settings) -> None:
