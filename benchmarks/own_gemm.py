@@ -1,0 +1,132 @@
+"""Is a batch-invariant matmul of our own the way to issue 13's goal 2? (a probe, not in the server)
+
+Goal 2 asks a batch-64 decode step for at most 1.5x the time of its weights' bare matmuls
+(MKL's, `F.linear`). The default compiled step runs its projections through inductor's C++
+GEMM template, which keeps a row's bits independent of its batch but ran 35-40 GFLOP/s at 64
+rows on `mamba`'s shapes against MKL's 80-91 (README, "Where goals 2, 4 and 5 stand"). This
+probe times `benchmarks/own_gemm/gemm.c` (AVX-512; weights packed once in panels of 32 columns;
+a 12 x 32 register block and its 8/4/2/1-row tails; every output one FMA chain over k from
+zero, so a row's result is the same whatever rows share its call) against MKL on the
+projections of the shipped `linear` and `mamba`, at 1, 4 and 64 rows, one thread, called
+through ctypes (its ~2-4 us per call included); with --inductor, also inductor's template
+(`torch.compile` of the frozen `nn.Linear` with the step's own settings) at 64 rows. It checks
+every result against MKL's within float tolerance, and the rows' bits across batches.
+
+    python benchmarks/own_gemm.py --inductor --out benchmarks/results/own_gemm.json
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model import WEIGHTS  # noqa: E402
+from model.hf import load_checkpoint  # noqa: E402
+
+SOURCE = Path(__file__).parent / "own_gemm" / "gemm.c"
+
+
+def build(out: Path) -> ctypes.CDLL:
+    subprocess.run(["gcc", "-O3", "-march=native", "-shared", "-fPIC", "-o", str(out), str(SOURCE)], check=True)
+    lib = ctypes.CDLL(str(out))
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.pack.argtypes = [p, i, i, p]
+    lib.gemm.argtypes = [p, i, i, p, i, p]
+    return lib
+
+
+def median_s(f, n: int) -> float:
+    for _ in range(5):
+        f()
+    xs = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        f()
+        xs.append(time.perf_counter() - t0)
+    return statistics.median(xs)
+
+
+def shapes(model: str) -> list[tuple[int, int]]:
+    """The (in, out) widths of a shipped model's projections, each once."""
+    lm = load_checkpoint(WEIGHTS / model)[0]
+    return sorted({(m.in_features, m.out_features) for m in lm.modules() if type(m) is nn.Linear})
+
+
+def inductor_s(w: torch.Tensor, M: int, n: int) -> float:
+    from model.compiled import PACKED
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=False).requires_grad_(False)
+    lin.weight.copy_(w)
+    x = torch.randn(M, w.shape[1])
+    torch._dynamo.reset()  # a fresh compile per shape (dynamo's recompile limit would fall back to eager)
+    with torch._inductor.config.patch(PACKED), torch.no_grad():
+        f = torch.compile(lin, dynamic=False)
+        f(x)
+        return median_s(lambda: f(x), n)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["linear", "mamba"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 4, 64])
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--inductor", action="store_true", help="also time inductor's GEMM template at 64 rows (compiles)")
+    ap.add_argument("--out", default="benchmarks/results/own_gemm.json")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as d:
+        lib = build(Path(d) / "libgemm.so")
+        res = {"command": " ".join(sys.argv), "machine": platform.processor() or platform.machine(), "rows": {}}
+        seen = set()
+        for model in a.models:
+            for K, N in shapes(model):
+                if (K, N) in seen or N % 32:
+                    continue
+                seen.add((K, N))
+                w = torch.randn(N, K)
+                packed = torch.empty(N * K)
+                lib.pack(w.data_ptr(), N, K, packed.data_ptr())
+                row = {"in": K, "out": N, "models": [m for m in a.models if (K, N) in shapes(m)]}
+                for M in a.rows:
+                    x, y = torch.randn(M, K), torch.empty(M, N)
+                    own = median_s(lambda: lib.gemm(x.data_ptr(), M, K, packed.data_ptr(), N, y.data_ptr()), a.reps)
+                    mkl = median_s(lambda: torch.nn.functional.linear(x, w), a.reps)
+                    err = (y - x @ w.t()).abs().max().item()
+                    assert err < 1e-3 * K ** 0.5, (K, N, M, err)
+                    flops = 2 * M * N * K
+                    row[M] = {"own_us": round(own * 1e6, 2), "mkl_us": round(mkl * 1e6, 2), "own_gflops": round(flops / own / 1e9, 1),
+                              "mkl_gflops": round(flops / mkl / 1e9, 1), "own_over_mkl": round(own / mkl, 3), "max_abs_err": err}
+                    if a.inductor and M == 64:
+                        ind = inductor_s(w, M, a.reps)
+                        row[M].update(inductor_us=round(ind * 1e6, 2), inductor_gflops=round(flops / ind / 1e9, 1),
+                                      own_over_inductor=round(own / ind, 3))
+                    print(f"{K:5d} -> {N:5d}, {M:3d} rows: " + "  ".join(f"{k} {v}" for k, v in row[M].items() if k != "max_abs_err"),
+                          flush=True)
+                x, y = torch.randn(64, K), torch.empty(64, N)
+                lib.gemm(x.data_ptr(), 64, K, packed.data_ptr(), N, y.data_ptr())
+                same = True
+                for rows in ([0], [63], [5, 6, 7], list(range(13)), list(range(1, 64)), [3, 60, 1, 30, 31]):
+                    xr, yr = x[rows].contiguous(), torch.empty(len(rows), N)
+                    lib.gemm(xr.data_ptr(), len(rows), K, packed.data_ptr(), N, yr.data_ptr())
+                    same &= torch.equal(yr, y[rows])
+                row["rows_bit_identical_across_batches"] = bool(same)
+                print(f"{K:5d} -> {N:5d}: a row's bits the same in every batch: {same}", flush=True)
+                res["rows"][f"{K}x{N}"] = row
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
