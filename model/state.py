@@ -108,13 +108,11 @@ class State:
         p = int(self.position[row])
         total = self.next_logits.shape[-1] * self.next_logits.element_size()
         for i, layer in enumerate(self.layers):  # arithmetic on shapes: no views made (a persist asks for it)
-            dims = self.time_dims[i]
             for n, t in layer.items():
-                per_row = t.numel() // t.shape[0] if t.shape[0] else math.prod(t.shape[1:])
-                d = dims.get(n)
-                if d is not None:
-                    per_row = per_row // t.shape[d] * min(p, t.shape[d]) if t.shape[d] else 0
-                total += per_row * t.element_size()
+                shape, d = list(t.shape[1:]), self.time_dims[i].get(n)
+                if d is not None:  # (d counts the batch dimension)
+                    shape[d - 1] = min(p, shape[d - 1])
+                total += math.prod(shape) * t.element_size()
         return total
 
     def select(self, rows: list[int]) -> "State":
