@@ -1,10 +1,10 @@
-"""Is a batch-invariant matmul of our own the way to issue 13's goal 2? (a probe, not in the server)
+"""Our batch-invariant matmul (model/kernels, the compiled step's default) against MKL and inductor's template.
 
 Goal 2 asks a batch-64 decode step for at most 1.5x the time of its weights' bare matmuls
 (MKL's, `F.linear`). The default compiled step runs its projections through inductor's C++
 GEMM template, which keeps a row's bits independent of its batch but ran 35-40 GFLOP/s at 64
 rows on `mamba`'s shapes against MKL's 80-91 (README, "Where goals 2, 4 and 5 stand"). This
-probe times `benchmarks/own_gemm/gemm.c` (AVX-512; weights packed once in panels of 32 columns;
+times `model/kernels/packed_linear.cpp` (AVX-512; weights packed once in panels of 32 columns;
 a 12 x 32 register block and its 8/4/2/1-row tails; every output one FMA chain over k from
 zero, so a row's result is the same whatever rows share its call) against MKL on the
 projections of the shipped `linear` and `mamba`, at 1, 4 and 64 rows, one thread, called
@@ -21,9 +21,7 @@ import ctypes
 import json
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,16 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import WEIGHTS  # noqa: E402
 from model.hf import load_checkpoint  # noqa: E402
 
-SOURCE = Path(__file__).parent / "own_gemm" / "gemm.c"
 
 
-def build(out: Path) -> ctypes.CDLL:
-    subprocess.run(["gcc", "-O3", "-march=native", "-shared", "-fPIC", "-o", str(out), str(SOURCE)], check=True)
-    lib = ctypes.CDLL(str(out))
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.pack.argtypes = [p, i, i, p]
-    lib.gemm.argtypes = [p, i, i, p, i, p]
-    return lib
+def build() -> ctypes.CDLL:
+    from model.kernels import _loaded
+    return _loaded()
 
 
 def median_s(f, n: int) -> float:
@@ -85,44 +78,43 @@ def main(argv=None):
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as d:
-        lib = build(Path(d) / "libgemm.so")
-        res = {"command": " ".join(sys.argv), "machine": platform.processor() or platform.machine(), "rows": {}}
-        seen = set()
-        for model in a.models:
-            for K, N in shapes(model):
-                if (K, N) in seen or N % 32:
-                    continue
-                seen.add((K, N))
-                w = torch.randn(N, K)
-                packed = torch.empty(N * K)
-                lib.pack(w.data_ptr(), N, K, packed.data_ptr())
-                row = {"in": K, "out": N, "models": [m for m in a.models if (K, N) in shapes(m)]}
-                for M in a.rows:
-                    x, y = torch.randn(M, K), torch.empty(M, N)
-                    own = median_s(lambda: lib.gemm(x.data_ptr(), M, K, packed.data_ptr(), N, y.data_ptr()), a.reps)
-                    mkl = median_s(lambda: torch.nn.functional.linear(x, w), a.reps)
-                    err = (y - x @ w.t()).abs().max().item()
-                    assert err < 1e-3 * K ** 0.5, (K, N, M, err)
-                    flops = 2 * M * N * K
-                    row[M] = {"own_us": round(own * 1e6, 2), "mkl_us": round(mkl * 1e6, 2), "own_gflops": round(flops / own / 1e9, 1),
-                              "mkl_gflops": round(flops / mkl / 1e9, 1), "own_over_mkl": round(own / mkl, 3), "max_abs_err": err}
-                    if a.inductor and M == 64:
-                        ind = inductor_s(w, M, a.reps)
-                        row[M].update(inductor_us=round(ind * 1e6, 2), inductor_gflops=round(flops / ind / 1e9, 1),
-                                      own_over_inductor=round(own / ind, 3))
-                    print(f"{K:5d} -> {N:5d}, {M:3d} rows: " + "  ".join(f"{k} {v}" for k, v in row[M].items() if k != "max_abs_err"),
-                          flush=True)
-                x, y = torch.randn(64, K), torch.empty(64, N)
-                lib.gemm(x.data_ptr(), 64, K, packed.data_ptr(), N, y.data_ptr())
-                same = True
-                for rows in ([0], [63], [5, 6, 7], list(range(13)), list(range(1, 64)), [3, 60, 1, 30, 31]):
-                    xr, yr = x[rows].contiguous(), torch.empty(len(rows), N)
-                    lib.gemm(xr.data_ptr(), len(rows), K, packed.data_ptr(), N, yr.data_ptr())
-                    same &= torch.equal(yr, y[rows])
-                row["rows_bit_identical_across_batches"] = bool(same)
-                print(f"{K:5d} -> {N:5d}: a row's bits the same in every batch: {same}", flush=True)
-                res["rows"][f"{K}x{N}"] = row
+    lib = build()
+    res = {"command": " ".join(sys.argv), "machine": platform.processor() or platform.machine(), "rows": {}}
+    seen = set()
+    for model in a.models:
+        for K, N in shapes(model):
+            if (K, N) in seen:
+                continue
+            seen.add((K, N))
+            w = torch.randn(N, K)
+            packed = torch.empty((N + 31) // 32 * 32 * K)
+            lib.linstream_pack(w.data_ptr(), N, K, packed.data_ptr())
+            row = {"in": K, "out": N, "models": [m for m in a.models if (K, N) in shapes(m)]}
+            for M in a.rows:
+                x, y = torch.randn(M, K), torch.empty(M, N)
+                own = median_s(lambda: lib.linstream_packed_linear(x.data_ptr(), M, K, K, packed.data_ptr(), N, None, y.data_ptr()), a.reps)
+                mkl = median_s(lambda: torch.nn.functional.linear(x, w), a.reps)
+                err = (y - x @ w.t()).abs().max().item()
+                assert err < 1e-3 * K ** 0.5, (K, N, M, err)
+                flops = 2 * M * N * K
+                row[M] = {"own_us": round(own * 1e6, 2), "mkl_us": round(mkl * 1e6, 2), "own_gflops": round(flops / own / 1e9, 1),
+                          "mkl_gflops": round(flops / mkl / 1e9, 1), "own_over_mkl": round(own / mkl, 3), "max_abs_err": err}
+                if a.inductor and M == 64:
+                    ind = inductor_s(w, M, a.reps)
+                    row[M].update(inductor_us=round(ind * 1e6, 2), inductor_gflops=round(flops / ind / 1e9, 1),
+                                  own_over_inductor=round(own / ind, 3))
+                print(f"{K:5d} -> {N:5d}, {M:3d} rows: " + "  ".join(f"{k} {v}" for k, v in row[M].items() if k != "max_abs_err"),
+                      flush=True)
+            x, y = torch.randn(64, K), torch.empty(64, N)
+            lib.linstream_packed_linear(x.data_ptr(), 64, K, K, packed.data_ptr(), N, None, y.data_ptr())
+            same = True
+            for rows in ([0], [63], [5, 6, 7], list(range(13)), list(range(1, 64)), [3, 60, 1, 30, 31]):
+                xr, yr = x[rows].contiguous(), torch.empty(len(rows), N)
+                lib.linstream_packed_linear(xr.data_ptr(), len(rows), K, K, packed.data_ptr(), N, None, yr.data_ptr())
+                same &= torch.equal(yr, y[rows])
+            row["rows_bit_identical_across_batches"] = bool(same)
+            print(f"{K:5d} -> {N:5d}: a row's bits the same in every batch: {same}", flush=True)
+            res["rows"][f"{K}x{N}"] = row
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {a.out}")

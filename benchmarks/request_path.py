@@ -45,7 +45,7 @@ def ms(xs) -> float:
     return round(1000 * statistics.median(xs), 4)
 
 
-def in_process(name: str, steps: int, gemm: str = "inductor", runtime: str = "aoti") -> dict:
+def in_process(name: str, steps: int, gemm: str = "own", runtime: str = "aoti") -> dict:
     """Median step (batch 1, position 128) eager and compiled, and the compute of the short requests."""
     lm = load_checkpoint(WEIGHTS / name)[0]
     st = state_at(lm, 128)

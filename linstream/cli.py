@@ -56,8 +56,9 @@ def serve(
     compile: Annotated[Optional[str], typer.Option(
         help=f"auto | on | off: compiled decode step, warmed in the background {_default('compile')}")] = None,
     gemm: Annotated[Optional[str], typer.Option(
-        help=f"inductor | onednn: the compiled step's matmuls; inductor is fastest for 1-4 streams, onednn ~2x "
-             f"faster from 16 (model/gemm.py) {_default('gemm')}")] = None,
+        help=f"own | inductor | onednn: the compiled step's matmuls; own (AVX-512, inductor's where the CPU "
+             f"lacks it) is as fast as inductor's template for one stream and ~2x faster for 64; onednn ~2x "
+             f"faster than inductor's from 16, ~2x slower for one (model/gemm.py) {_default('gemm')}")] = None,
     step_runtime: Annotated[Optional[str], typer.Option(
         help=f"aoti | dynamo: the compiled step built ahead of time into a library (model/aot.py), or "
              f"torch.compile's function {_default('step_runtime')}")] = None,
@@ -81,8 +82,8 @@ def serve(
         _reexec_with_jemalloc(required=allocator == "jemalloc")
     if compile not in (None, "auto", "on", "off"):
         raise typer.BadParameter("use auto, on or off", param_hint="--compile")
-    if gemm not in (None, "inductor", "onednn"):
-        raise typer.BadParameter("use inductor or onednn", param_hint="--gemm")
+    if gemm not in (None, "own", "inductor", "onednn"):
+        raise typer.BadParameter("use own, inductor or onednn", param_hint="--gemm")
     if step_runtime not in (None, "aoti", "dynamo"):
         raise typer.BadParameter("use aoti or dynamo", param_hint="--step-runtime")
     import uvicorn

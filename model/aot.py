@@ -66,7 +66,8 @@ def library_key(model: LM, options: dict, min_rows: int, max_rows: int) -> str:
     (its digest: the fingerprint stays the float32 checkpoint's through model/lowp.py's casts),
     the settings it was built with, torch, and the CPU it targets."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
-    parts = [FORMAT, model.digest(), sorted(options.items()), min_rows, max_rows, torch.__version__,
+    settings = sorted((k, repr(v) if isinstance(v, dict) else v) for k, v in options.items())  # (op keys: not JSON)
+    parts = [FORMAT, model.digest(), settings, min_rows, max_rows, torch.__version__,
              str(pick_vec_isa()), torch.get_num_threads()]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
 

@@ -5,7 +5,10 @@
 
 One graph serves every batch size from MIN_ROWS up: the batch dim is compiled symbolic, so there
 is one compile instead of one per bucket. The weights are frozen into the graph (the model's
-parameters stop asking for grads) and its matmuls run inductor's own C++ GEMM template over them,
+parameters stop asking for grads). By default (`gemm="own"`) every float32 nn.Linear runs our own
+AVX-512 kernel (model/kernels) over weights packed once: inductor's template's one-row speed and
+MKL's at 64 rows, each output one FMA chain over k whatever the batch; where that kernel cannot be
+built (no AVX-512), or for `gemm="inductor"`, the matmuls run inductor's own C++ GEMM template over them,
 packed once at compile time (freezing + max-autotune, CPP backend only), not MKL: each row goes
 through the same micro-kernel with the same order of additions whatever the batch, so a row's
 logits and state are bit-identical from one row to hundreds (tests/model/test_compiled.py). MKL takes a
@@ -54,7 +57,7 @@ import torch
 from torch import Tensor
 
 from .aot import AotStep
-from .gemm import GEMMS, onednn_twin
+from .gemm import GEMMS, packable, twin
 from .graphs import GraphStep
 from .lm import LM
 from .state import State
@@ -71,6 +74,15 @@ LEGACY = ({"cpp_wrapper": True}, 4)  # the fallback: BLAS matmuls, batches padde
 # --gemm onednn (model/gemm.py): the projections are oneDNN calls over constant weights (freezing
 # lowers them), any matmul left to the BLAS is exact from 4 rows up: pad small batches to 4
 ONEDNN = ({"freezing": True, "cpp_wrapper": True}, 4)
+
+
+def own_options() -> dict:
+    """--gemm own (model/kernels): the step's settings, its float32 projections calling our
+    kernel's C shim (the template is left with whatever matmuls are not nn.Linear's)."""
+    from .kernels import aoti_options
+    return {**PACKED, **aoti_options()}
+
+
 MAX_ROWS = 1 << 16  # the symbolic batch dim needs an upper bound; far above any max_batch
 CACHE_DIR = Path.home() / ".cache" / "linstream" / "compile"
 MODES = ("auto", "on", "off")
@@ -93,7 +105,7 @@ class Stepper:
     """Decode steps for one model: compiled once warm, eager before that and for pinned rows."""
 
     def __init__(self, model: LM, mode: str = "auto", cache_dir: str | Path | None = None, background: bool = True,
-                 gemm: str = "inductor", runtime: str = "aoti", max_rows: int = 256):
+                 gemm: str = "own", runtime: str = "aoti", max_rows: int = 256):
         if mode not in MODES:
             raise ValueError(f"compile mode {mode!r}: expected one of {', '.join(MODES)}")
         if gemm not in GEMMS:
@@ -158,11 +170,19 @@ class Stepper:
         self.model.requires_grad_(False)
         # only the packed GEMMs are built ahead of time: oneDNN's reordered weights are opaque
         # tensors (no storage to hash or embed), and the BLAS fallback is for steps that failed already
-        tries = ([("onednn", "dynamo", onednn_twin(self.model), ONEDNN)] if self.gemm == "onednn" else
-                 [("packed", runtime, self.model, (PACKED, AOT_MIN_ROWS if runtime == "aoti" else MIN_ROWS))
-                  for runtime in RUNTIMES[RUNTIMES.index(self.runtime):]])
-        for kernels, runtime, model, (options, min_rows) in tries + [("blas", "dynamo", self.model, LEGACY)]:
+        runtimes = RUNTIMES[RUNTIMES.index(self.runtime):]
+        tries = [("packed", runtime, lambda: self.model, lambda: PACKED, AOT_MIN_ROWS if runtime == "aoti" else MIN_ROWS)
+                 for runtime in runtimes]
+        if self.gemm == "onednn":
+            tries = [("onednn", "dynamo", lambda: twin(self.model, "onednn"), lambda: ONEDNN[0], ONEDNN[1])]
+        elif self.gemm == "own" and any(packable(m) for m in self.model.modules()) and self._own_unavailable() is None:
+            # our kernel; inductor's template where it cannot be built or called
+            tries = [("own", runtime, lambda: twin(self.model, "own"), own_options, AOT_MIN_ROWS if runtime == "aoti"
+                      else MIN_ROWS) for runtime in runtimes] + tries
+        for kernels, runtime, model, options, min_rows in tries + [("blas", "dynamo", lambda: self.model,
+                                                                    lambda: LEGACY[0], LEGACY[1])]:
             try:
+                model, options = model(), options()
                 fn = self._aot(model, options, min_rows) if runtime == "aoti" else self._compile(model, options, min_rows)
                 break
             except Exception:
@@ -173,6 +193,13 @@ class Stepper:
         self.min_rows, self.kernels, self.runtime = min_rows, kernels, runtime
         self.compiled, self.warm_s = fn, time.perf_counter() - t0
         log.info("compiled decode step ready in %.1f s (%s matmuls, %s)", self.warm_s, kernels, runtime)
+
+    def _own_unavailable(self) -> str | None:
+        from .kernels import unavailable
+        why = unavailable()
+        if why:
+            log.info("--gemm own: %s; the step's matmuls run inductor's GEMM template instead", why)
+        return why
 
     def _warm_graphs(self, t0: float) -> None:
         """CUDA: capture the step's graphs for every bucket, with a progress line each."""

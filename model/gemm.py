@@ -1,22 +1,30 @@
 """The matmul kernels a compiled decode step can run its projections with (`--gemm`).
 
-    twin = onednn_twin(model)     # shares every tensor with `model`; its nn.Linear run oneDNN
+    twin = twin(model, "own")     # shares every tensor with `model`; its nn.Linear run our kernel
 
-"inductor" (the default) is inductor's own C++ GEMM template over weights it packs at compile
+"own" (the default) is our AVX-512 kernel (model/kernels) over weights packed once in panels of
+32 columns, called from the step built ahead of time through its C shim. At one row it streams
+the weights as fast as inductor's template; at 64 rows it runs ~2x faster than the template,
+about as fast as MKL's sgemm (`linear`'s step at 64 rows 7.6 ms against 14.8 with the template,
+7.9 ms of bare MKL matmuls; `python benchmarks/model_bench.py --step-only --threads 1 --gemm
+inductor own --step-batches 1 4 64`). Where the CPU lacks AVX-512 or the build fails, the step
+runs inductor's template instead, with a log line.
+"inductor" is inductor's own C++ GEMM template over weights it packs at compile
 time (model/compiled.py). It streams the weights at one row about as fast as a GEMV, but its
 blocking is made for a few rows: the step's time triples from 4 rows to 8 and at 64 rows it runs
-~80 GFLOP/s. "onednn" is oneDNN's matmul over weights reordered once into its blocked layout
+~40-80 GFLOP/s. "onednn" is oneDNN's matmul over weights reordered once into its blocked layout
 (`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`): its JIT kernels keep this CPU's
 AVX-512 busy at any row count (`linear`'s 21 matmuls at 64 rows: oneDNN 2.2 ms, ~200 GFLOP/s;
-MKL's sgemm 5.6 ms), so a batch-64 step is 1.7-2.1x faster, but each call costs ~10 us more,
-which makes a one-row step 1.8-2.2x slower. Measured with `python benchmarks/model_bench.py --step-only
---threads 1 --gemm inductor onednn --step-batches 1 4 8 16 64`; the crossover is 4 to 8 rows.
+MKL's sgemm 5.6 ms), so a batch-64 step is 1.7-2.1x faster than the template's, but each call
+costs ~10 us more, which makes a one-row step 1.8-2.2x slower. Measured with `python
+benchmarks/model_bench.py --step-only --threads 1 --gemm inductor onednn --step-batches 1 4 8 16
+64`; the crossover is 4 to 8 rows.
 
-Both keep a row's bits independent of the batch it is in (every row through the same kernel and
-order of additions; oneDNN's from 2 rows up, and the compiled step pads smaller batches to 4;
-tests/model/test_compiled.py), so a server's text does not depend on its load under either.
-The choice is per server, not per step: switching kernels with the batch size would change a
-row's low bits with the load.
+All three keep a row's bits independent of the batch it is in (every row through the same kernel
+and order of additions; oneDNN's from 2 rows up, and the compiled step pads smaller batches to 4;
+tests/model/test_compiled.py, tests/model/test_kernels.py), so a server's text does not depend
+on its load under any. The choice is per server, not per step: switching kernels with the batch
+size would change a row's low bits with the load.
 """
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ import copy
 import torch
 from torch import Tensor, nn
 
-GEMMS = ("inductor", "onednn")
+GEMMS = ("inductor", "onednn", "own")
 REORDER_ROWS = 64  # the row count oneDNN's weight layout is chosen for (any count above 1 gives the same bits)
 
 
@@ -46,17 +54,42 @@ class OneDnnLinear(nn.Module):
         return y.reshape(*lead, self.out_features)  # (..., N)
 
 
+class OwnLinear(nn.Module):
+    """nn.Linear through our own kernel (model/kernels): the weight packed once in panels of 32
+    columns, frozen into the step's library as a constant, called there through its C shim."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        from .kernels import pack
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # shared, for code that reads a projection's shape or dtype
+        self.bias = linear.bias
+        self.register_buffer("packed", pack(linear.weight))
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.linstream.packed_linear(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias,
+                                              self.out_features)
+        return y.reshape(*lead, self.out_features)  # (..., N)
+
+
 def packable(m: nn.Module) -> bool:
     return type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
 
 
-def onednn_twin(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose float32 CPU nn.Linear run OneDnnLinear; every parameter and buffer
-    is shared with `model` (only the reordered weights are new: one more copy of the projections)."""
+def twin(model: nn.Module, gemm: str) -> nn.Module:
+    """A copy of `model` whose float32 CPU nn.Linear run OneDnnLinear ("onednn") or OwnLinear
+    ("own"); every parameter and buffer is shared with `model` (only the packed weights are new:
+    one more copy of the projections)."""
+    kind = {"onednn": OneDnnLinear, "own": OwnLinear}[gemm]
     memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    twin = copy.deepcopy(model, memo)
-    for parent in list(twin.modules()):
+    copied = copy.deepcopy(model, memo)
+    for parent in list(copied.modules()):
         for name, child in list(parent.named_children()):
             if packable(child):
-                setattr(parent, name, OneDnnLinear(child))
-    return twin.requires_grad_(False)
+                setattr(parent, name, kind(child))
+    return copied.requires_grad_(False)
+
+
+def onednn_twin(model: nn.Module) -> nn.Module:
+    return twin(model, "onednn")

@@ -133,7 +133,7 @@ class Prefill:
 class Engine:
     def __init__(self, name: str, model: LM, tok: Tokenizer, slots: int, prefill_chunk: int, max_batch: int,
                  metrics=None, lookahead: bool = True, compile: str = "off", prefill_share: float = PREFILL_SHARE,
-                 gemm: str = "inductor", step_runtime: str = "aoti"):
+                 gemm: str = "own", step_runtime: str = "aoti"):
         self.name, self.model, self.tok = name, model, tok
         self.stepper = Stepper(model, compile, gemm=gemm, runtime=step_runtime,  # model.step, compiled once warm
                                max_rows=max_batch)  # (model/compiled.py)

@@ -75,10 +75,12 @@ class Settings(BaseSettings):
     # decode step: auto = compiled (inductor) once warm, eager meanwhile and without a C++ compiler;
     # on = the same but a missing compiler is an error; off = eager only (model/compiled.py)
     compile: Literal["auto", "on", "off"] = "auto"
-    # the compiled step's projections (model/gemm.py): inductor = its own GEMM template, fastest
-    # for 1-4 rows; onednn = oneDNN's matmul, ~2x faster from 16 rows up, ~2x slower for one.
-    # Either keeps a row's tokens independent of the load (float32 CPU weights only)
-    gemm: Literal["inductor", "onednn"] = "inductor"
+    # the compiled step's float32 projections (model/gemm.py): own = our AVX-512 kernel
+    # (model/kernels), as fast as inductor's template at one row and ~2x faster at 64 (inductor's
+    # where the CPU lacks AVX-512); inductor = its own GEMM template; onednn = oneDNN's matmul,
+    # ~2x faster than the template from 16 rows up, ~2x slower for one (float32 weights only).
+    # Each keeps a row's tokens independent of the load
+    gemm: Literal["own", "inductor", "onednn"] = "own"
     # how the compiled step is called: aoti = built ahead of time by AOTInductor into a library
     # called with the GIL released (model/aot.py; built once, kept in the compile cache), falling
     # back to dynamo where that build fails; dynamo = torch.compile's function

@@ -8,6 +8,8 @@ import torch
 from model.aot import AotStep, library_key
 from model.compiled import AOT_MIN_ROWS, MAX_ROWS, MIN_ROWS, ONEDNN, PACKED, Stepper, compiler_missing
 from model.config import PRESETS
+from model.gemm import GEMMS
+from model.kernels import unavailable
 from model.lm import LM
 from model.state import State
 
@@ -18,6 +20,7 @@ pytestmark = pytest.mark.skipif(compiler_missing() is not None, reason="no C++ c
 FAST = ["tiny-linear", "tiny-mamba"]  # each compile costs ~10-20 s on two cores; the rest are slow
 SLOW = ["tiny-performer", "tiny-retnet", "tiny-gla", "tiny-rwkv"]
 _steppers: dict[tuple[str, str, str], Stepper] = {}
+OWN = "own" if unavailable() is None else "packed"  # --gemm own falls back to inductor's template without AVX-512
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +33,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def stepper(preset: str, gemm: str = "inductor", runtime: str = "aoti") -> Stepper:
+def stepper(preset: str, gemm: str = "own", runtime: str = "aoti") -> Stepper:
     """One compiled stepper per preset, gemm and runtime for the whole run (compiling is the
     expensive part)."""
     if (preset, gemm, runtime) not in _steppers:
@@ -57,9 +60,8 @@ def rows_of(state: State, rows: list[int]) -> State:
     return state.clone().select(rows)
 
 
-@pytest.mark.parametrize("preset,gemm", [(p, "inductor") for p in FAST] + [(p, "onednn") for p in FAST]
-                         + [pytest.param(p, "inductor", marks=pytest.mark.slow) for p in SLOW]
-                         + [pytest.param(p, "onednn", marks=pytest.mark.slow) for p in SLOW])
+@pytest.mark.parametrize("preset,gemm", [(p, g) for g in GEMMS for p in FAST]
+                         + [pytest.param(p, g, marks=pytest.mark.slow) for g in GEMMS for p in SLOW])
 def test_compiled_equals_eager(preset, gemm):
     st = stepper(preset, gemm)
     model, state = st.model, random_state(st.model, 6)
@@ -75,13 +77,15 @@ def test_compiled_equals_eager(preset, gemm):
 
 
 @pytest.mark.parametrize("preset,gemm,runtime,kernels",
-                         [(p, "inductor", "aoti", ("packed", AOT_MIN_ROWS, "aoti")) for p in FAST]
+                         [(p, "own", "aoti", (OWN, AOT_MIN_ROWS, "aoti")) for p in FAST]
+                         + [(p, "inductor", "aoti", ("packed", AOT_MIN_ROWS, "aoti")) for p in FAST]
                          + [(p, "onednn", "aoti", ("onednn", ONEDNN[1], "dynamo")) for p in FAST]
-                         + [("tiny-linear", "inductor", "dynamo", ("packed", MIN_ROWS, "dynamo"))])
+                         + [("tiny-linear", "own", "dynamo", (OWN, MIN_ROWS, "dynamo")),
+                            ("tiny-linear", "inductor", "dynamo", ("packed", MIN_ROWS, "dynamo"))])
 def test_compiled_rows_do_not_depend_on_the_batch(preset, gemm, runtime, kernels):
     """Bit-identical logits and states for a row stepped alone, in a small padded batch, in any
-    symbolic batch size, at any place in the batch: every projection runs one kernel (inductor's
-    packed GEMM template, or oneDNN's matmul) whatever the batch, built ahead of time (AOTInductor,
+    symbolic batch size, at any place in the batch: every projection runs one kernel (our own,
+    inductor's packed GEMM template, or oneDNN's matmul) whatever the batch, built ahead of time (AOTInductor,
     the default) or by torch.compile."""
     st = stepper(preset, gemm, runtime)
     assert (st.kernels, st.min_rows, st.runtime) == kernels, "the step fell back to other kernels or runtime"
@@ -210,7 +214,7 @@ def test_a_failed_build_falls_back_to_dynamo(monkeypatch, caplog):
     with caplog.at_level("INFO", logger="linstream.compiled"):
         st = Stepper(LM(PRESETS["tiny-linear"]).eval(), "on", background=False)
     assert "no export for this model" in caplog.text
-    assert (st.status, st.kernels, st.runtime) == ("compiled", "packed", "dynamo")
+    assert (st.status, st.kernels, st.runtime) == ("compiled", OWN, "dynamo")
     state = random_state(st.model, 3)
     torch.testing.assert_close(st(torch.arange(3), state.clone())[0], st.model.step(torch.arange(3), state.clone())[0],
                                atol=2e-5, rtol=1e-4)
@@ -247,7 +251,7 @@ def test_inputs_the_graph_was_not_compiled_for_step_eagerly():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gemm", ["inductor", "onednn"])
+@pytest.mark.parametrize("gemm", GEMMS)
 def test_golden_greedy_compiled(gemm):
     """The shipped `linear`, stepped by the compiled graph, greedy-decodes the golden literal."""
     from .test_golden import CKPT, GOLDEN_IDS, PROMPT

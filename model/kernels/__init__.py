@@ -1,0 +1,135 @@
+"""A float32 matmul of our own for the compiled decode step: `torch.ops.linstream.packed_linear`.
+
+    lib = library()                               # built once per source and torch into the cache
+    packed = pack(linear.weight)                  # (ceil(N/32), K, 32), zero-padded
+    y = torch.ops.linstream.packed_linear(x, packed, linear.bias, linear.out_features)
+
+The kernel (packed_linear.cpp) is plain AVX-512: weights in panels of 32 output columns, a 12-row
+register block where rows share a panel's loads, and fewer rows walking several panels at once.
+Each output is one FMA chain over k from zero and then its bias, so a row's bits never depend on
+the rows beside it (batch invariance, goal 7 of the README's issue-13 table): the same property
+inductor's own GEMM template has, at 2.6-3.8x its speed at 64 rows (benchmarks/own_gemm.py).
+
+AOTInductor calls it straight from the generated step through its C shim
+(`aoti_torch_cpu_packed_linear`, listed in `aot_inductor.custom_ops_to_c_shims`): no dispatcher,
+no Python. The shim's symbol is resolved when the step's library is opened, from this library,
+which `library()` loads into the process's global namespace first. Eagerly (tests, a step
+outside the compiled graph) the op calls the same code through ctypes.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("packed_linear.cpp")
+NR = 32  # a panel's columns
+FLAGS = ["-O3", "-mavx512f", "-mfma", "-shared", "-fPIC", "-std=c++17"]
+# the declaration AOTInductor's generated code is given for the op (aot_inductor.custom_ops_to_c_shims)
+SHIM = ("AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle packed, "
+        "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run here, or None when it can."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX", "AVX512_BF16", "AVX512_VNNI"):
+        return f"this CPU's vector ISA is {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX-512"
+    if _compiler() is None:
+        return "no C++ compiler on PATH (g++, c++ or clang++; or set CXX)"
+    return None
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX") or next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+    return cxx if cxx and shutil.which(cxx) else None
+
+
+def _cache_dir() -> Path:
+    from ..compiled import CACHE_DIR
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or CACHE_DIR) / "kernels"
+
+
+def library() -> Path:
+    """The built kernel library (named by a hash of its source, flags and torch), loaded into the
+    process with its symbols global. Builds it on first use (~2-3 s)."""
+    global _lib
+    with _lock:
+        torch_dir = Path(torch.__file__).parent
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
+        path = _cache_dir() / f"libpacked_linear-{key}.so"
+        if _lib is not None and Path(_lib._name) == path:
+            return path
+        if not path.exists():
+            why = unavailable()
+            if why:
+                raise RuntimeError(f"the packed_linear kernel cannot be built: {why}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                out = Path(tmp) / path.name
+                cmd = [_compiler(), *FLAGS, f"-I{torch_dir / 'include'}", "-o", str(out), str(SOURCE),
+                       f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode:
+                    raise RuntimeError(f"building {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+                os.replace(out, path)  # atomic: another process sees the whole library or none
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        lib.linstream_pack.argtypes = [p, i, i, p]
+        lib.linstream_packed_linear.argtypes = [p, i, i, i, p, i, p, p]
+        _lib = lib
+        return path
+
+
+def _loaded() -> ctypes.CDLL:
+    if _lib is None:
+        library()
+    return _lib
+
+
+def pack(weight: Tensor) -> Tensor:
+    """W (N, K) float32 -> its panels (ceil(N/32), K, 32), the last one padded with zero columns."""
+    w = weight.detach().float().contiguous()
+    N, K = w.shape
+    p = torch.empty((N + NR - 1) // NR, K, NR)
+    _loaded().linstream_pack(w.data_ptr(), N, K, p.data_ptr())
+    return p
+
+
+@torch.library.custom_op("linstream::packed_linear", mutates_args=())
+def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None, n: int) -> Tensor:
+    """x (M, K) @ W.T + bias -> (M, n), W as `pack` left it."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or packed.shape[1] != x.shape[1]:
+        raise ValueError(f"packed_linear takes dense float32 rows (M, {packed.shape[1]}), not {tuple(x.shape)} "
+                         f"{x.dtype} with strides {x.stride()}")
+    if not (packed.shape[0] - 1) * NR < n <= packed.shape[0] * NR or packed.dtype != torch.float32 or (
+            bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32)):
+        raise ValueError(f"packed_linear: {n} outputs, panels {tuple(packed.shape)} {packed.dtype} and bias "
+                         f"{None if bias is None else (tuple(bias.shape), bias.dtype)} do not go together")
+    M, K = x.shape
+    y = x.new_empty(M, n)
+    b = bias.contiguous() if bias is not None else None
+    _loaded().linstream_packed_linear(x.data_ptr(), M, K, x.stride(0), packed.data_ptr(), n,
+                                      b.data_ptr() if b is not None else None, y.data_ptr())
+    return y
+
+
+@packed_linear.register_fake
+def _(x: Tensor, packed: Tensor, bias: Tensor | None, n: int) -> Tensor:
+    return x.new_empty(x.shape[0], n)
+
+
+def aoti_options() -> dict:
+    """The inductor settings that make AOTInductor call the op's C shim directly."""
+    library()
+    return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.linstream.packed_linear.default: [SHIM]}}

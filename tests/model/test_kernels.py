@@ -1,0 +1,58 @@
+"""Our float32 matmul (model/kernels): torch.ops.linstream.packed_linear against F.linear, and a
+row's bits independent of the rows beside it, the property the compiled step's batch invariance
+rests on."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.kernels import NR, pack, unavailable
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"the kernel cannot run here: {unavailable()}")
+
+# (in, out): the shipped models' widths, widths that leave a short last panel, one-column and one-input edges
+SHAPES = [(256, 768), (512, 256), (256, 2048), (512, 32), (16, 512), (100, 37), (7, 65), (1, 1), (33, 1)]
+
+
+@pytest.mark.parametrize("K,N", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear(K, N, bias):
+    g = torch.Generator().manual_seed(K * 1000 + N)
+    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g) if bias else None
+    p = pack(w)
+    assert p.shape == ((N + NR - 1) // NR, K, NR)
+    for M in (1, 2, 3, 5, 12, 13, 64, 70):
+        x = torch.randn(M, K, generator=g)
+        y = torch.ops.linstream.packed_linear(x, p, b, N)
+        assert y.shape == (M, N)
+        torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4 * K ** 0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_a_rows_bits_do_not_depend_on_its_batch(K, N):
+    """Every output is one FMA chain over k from zero and then its bias, whichever register block
+    (12, 8, 4, 2 or 1 rows) its row falls in."""
+    g = torch.Generator().manual_seed(N)
+    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    p = pack(w)
+    x = torch.randn(70, K, generator=g)
+    full = torch.ops.linstream.packed_linear(x, p, b, N)
+    for rows in ([0], [69], [5, 6, 7], list(range(13)), list(range(1, 64)), [3, 60, 1, 30, 31], list(range(8, 70))):
+        assert torch.equal(torch.ops.linstream.packed_linear(x[rows].contiguous(), p, b, N), full[rows]), rows
+
+
+def test_strided_rows_and_bad_inputs():
+    w = torch.randn(64, 32)
+    p = pack(w)
+    wide = torch.randn(10, 48)
+    rows = wide[:, :32]  # rows 48 apart: the kernel reads them where they lie
+    torch.testing.assert_close(torch.ops.linstream.packed_linear(rows, p, None, 64), rows @ w.t(), atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="dense float32 rows"):
+        torch.ops.linstream.packed_linear(torch.randn(32, 10).t(), p, None, 64)  # columns apart
+    with pytest.raises(ValueError, match="dense float32 rows"):
+        torch.ops.linstream.packed_linear(torch.randn(4, 31), p, None, 64)  # another width
+    with pytest.raises(ValueError, match="dense float32 rows"):
+        torch.ops.linstream.packed_linear(torch.randn(4, 32, dtype=torch.float64), p, None, 64)
+    with pytest.raises(ValueError, match="do not go together"):
+        torch.ops.linstream.packed_linear(torch.randn(4, 32), p, None, 65)  # more outputs than the panels hold
+    with pytest.raises(ValueError, match="do not go together"):
+        torch.ops.linstream.packed_linear(torch.randn(4, 32), p, torch.randn(63), 64)
