@@ -36,6 +36,7 @@ from clients.stats import pct  # noqa: E402
 from model import WEIGHTS
 from model.timing import state_at, time_steps  # noqa: E402
 from model.compiled import Stepper  # noqa: E402
+from server.engine import STEP_PREFILL  # noqa: E402
 from model.hf import load_checkpoint  # noqa: E402
 
 PROMPT = [11, 12, 13, 14]  # the short prompt of a create
@@ -63,6 +64,9 @@ def in_process(name: str, steps: int, gemm: str = "own", runtime: str = "aoti") 
                 ts.append(time.perf_counter() - t0)
             out[key] = ms(ts[5:])
     out["step_ms"] = out["compiled_step_ms"] or out["eager_step_ms"]  # what the server steps with
+    if stepper.compiled:  # the server pushes a prompt of at most STEP_PREFILL tokens as compiled steps
+        out["prefill_prompt_ms"] = round(len(PROMPT) * out["step_ms"], 4) if len(PROMPT) <= STEP_PREFILL else out["prefill_prompt_ms"]
+        out["prefill_1_ms"] = out["step_ms"]
     return out
 
 
@@ -153,7 +157,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5, help="streams per single-stream figure (x4 for TTFT, x6 requests)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--compile", default="auto")
-    ap.add_argument("--gemm", default="inductor", help="the compiled step's matmuls, in-process and served (model/gemm.py)")
+    ap.add_argument("--gemm", default="own", help="the compiled step's matmuls, in-process and served (model/gemm.py)")
     ap.add_argument("--step-runtime", default="aoti", help="aoti | dynamo: how the compiled step is called, in-process and served")
     ap.add_argument("--server-repo", help="serve from this checkout (e.g. the code before a change); default: this one")
     ap.add_argument("--out", default="benchmarks/results/request_path.json")
