@@ -356,3 +356,39 @@ def test_cli_serves_a_bfloat16_checkpoint_under_its_given_name(hf_dirs):
         assert len(out["tokens"]) == 8 and again["tokens"] == out["tokens"]
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_compiled_step_matches_transformers(arch, tmp_path):
+    """A checkpoint's decode step compiled as the server runs it (our matmul for its projections,
+    built ahead of time) gives transformers' logits token by token, and the same greedy tokens."""
+    from model.compiled import Stepper, compiler_missing
+    from model.kernels import unavailable
+    if compiler_missing():
+        pytest.skip(compiler_missing())
+    ref = perturbed(arch, 0.3)
+    model, _ = load_checkpoint(save_hf(ref, tmp_path / arch))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        st = Stepper(model, "on", background=False)
+        assert st.kernels == ("own" if unavailable() is None else "packed") and st.runtime == "aoti"
+        prompt = PROMPTS[0]
+        with torch.no_grad():
+            want = ref(torch.tensor([prompt])).logits[0]
+            state, steps = model.init_state(1), []
+            for t in prompt:
+                logits, state = st(torch.tensor([t]), state)
+                steps.append(logits[0])
+            assert (torch.stack(steps) - want).abs().max() < TOL
+            greedy = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+            got, t = [], steps[-1].argmax()
+            for _ in range(32):
+                got.append(int(t))
+                logits, state = st(t[None], state)
+                t = logits[0].argmax()
+        assert got == greedy
+    finally:
+        torch.set_num_threads(threads)
