@@ -210,7 +210,7 @@ def test_tokenize_detokenize_health_and_models(server):
     m = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert m["max_model_len"] > 0 and m["state_bytes"] > 0
     assert m["decode_step"] == "eager"  # the test servers run with LINSTREAM_COMPILE=off (conftest)
-    assert m["step_kernels"] is None  # "packed", "onednn" or "blas" once compiled
+    assert m["step_kernels"] is None  # "own", "packed", "onednn" or "blas" once compiled
 
 
 def test_langchain_and_litellm_where_installed(server):
