@@ -74,6 +74,7 @@ class OwnLinear(nn.Module):
 
 
 def packable(m: nn.Module) -> bool:
+    """A projection our kernel (or oneDNN's) can take: a float32 CPU nn.Linear."""
     return type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
 
 
@@ -88,7 +89,23 @@ def twin(model: nn.Module, gemm: str) -> nn.Module:
         for name, child in list(parent.named_children()):
             if packable(child):
                 setattr(parent, name, kind(child))
+        if gemm == "own":
+            pack_params(parent)
     return copied.requires_grad_(False)
+
+
+def pack_params(module: nn.Module) -> None:
+    """Our kernel's packed copy of each parameter a mixer multiplies by outside nn.Linear (its
+    PACKABLE: name -> layout), as a buffer `<name>_packed` its forward looks for: "kn" a (K, N)
+    weight, "gkn" / "gnk" one (K, N) / (N, K) weight per group g."""
+    from .kernels import pack
+    for name, layout in getattr(module, "PACKABLE", {}).items():
+        w = getattr(module, name)
+        if w.dtype != torch.float32 or w.device.type != "cpu":
+            continue
+        packed = (pack(w.t()) if layout == "kn" else
+                  torch.stack([pack(g.t() if layout == "gkn" else g) for g in w]))
+        module.register_buffer(name + "_packed", packed)
 
 
 def onednn_twin(model: nn.Module) -> nn.Module:

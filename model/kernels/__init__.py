@@ -129,6 +129,12 @@ def _(x: Tensor, packed: Tensor, bias: Tensor | None, n: int) -> Tensor:
     return x.new_empty(x.shape[0], n)
 
 
+def linear(x: Tensor, packed: Tensor, n: int, bias: Tensor | None = None) -> Tensor:
+    """x (..., K) -> (..., n) through the op: rows made dense first (a no-op when they are)."""
+    lead = x.shape[:-1]
+    return torch.ops.linstream.packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias, n).reshape(*lead, n)
+
+
 def aoti_options() -> dict:
     """The inductor settings that make AOTInductor call the op's C shim directly."""
     library()

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import kernels
 from . import register
 from .linear import LinearAttention
 
@@ -59,6 +60,8 @@ class Performer(LinearAttention):
         self.temp = nn.Parameter(torch.zeros(self.H))  # tau = TAU_MAX * sigmoid(temp): 4 at init
         self.register_buffer("features", orthogonal_features(self.H, self.M, K))  # (H, M, K)
 
+    PACKABLE = {"features": "gnk"}  # (H, M, K): a matmul weight per head, packed by model/gemm.py's own twin
+
     def _decays(self, cfg):  # no decay: the original causal Performer
         return torch.ones(self.H)
 
@@ -68,7 +71,12 @@ class Performer(LinearAttention):
     def _phi(self, x: Tensor, query: bool) -> Tensor:  # (B, H, T, K) -> (B, H, T, M)
         tau = TAU_MAX * torch.sigmoid(self.temp)[:, None, None]  # (H, 1, 1)
         x = F.normalize(x, dim=-1) * tau.sqrt()
-        logits = torch.einsum("bhtk,hmk->bhtm", x, self.features) - tau / 2
+        packed = getattr(self, "features_packed", None)  # model/gemm.py's own twin: our matmul per head
+        if packed is None:
+            logits = torch.einsum("bhtk,hmk->bhtm", x, self.features)
+        else:
+            logits = torch.stack([kernels.linear(x[:, h], packed[h], self.M) for h in range(self.H)], 1)
+        logits = logits - tau / 2
         if query:  # a per-query constant: cancels in num / den, keeps exp() <= 1
             logits = logits - logits.amax(-1, keepdim=True).detach()
         return torch.exp(logits) / math.sqrt(self.M)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..ops.gated_attn import gated_attn_chunked, gated_attn_step
 from ..ops.naive import gated_attn_naive
 from . import register
@@ -72,14 +73,28 @@ class RWKV6TimeMix(nn.Module):
         B, T, _ = t.shape
         return t.view(B, T, self.H, -1).transpose(1, 2)
 
+    # parameters used as matmul weights outside nn.Linear, and their layout: the compiled step's
+    # own twin (model/gemm.py) packs them for our kernel ("kn": (K, N); "gkn": (G, K, N), by group)
+    PACKABLE = {"mix_a": "kn", "mix_b": "gkn", "decay_a": "kn", "decay_b": "kn"}
+
+    def _mm(self, x, name):
+        """x @ self.<name>, or our kernel over its packed copy in the compiled step's twin."""
+        packed = getattr(self, name + "_packed", None)
+        w = getattr(self, name)
+        return x @ w if packed is None else kernels.linear(x, packed, w.shape[-1])
+
     def _project(self, x, prev):
         """x, prev = x_t, x_{t-1} (B, T, D) -> r, k, v, log w (B, H, T, K) and g (B, T, D)."""
         B, T, _ = x.shape
         dx = prev - x
-        m = torch.tanh((x + dx * self.mu_x) @ self.mix_a).view(B, T, 5, MIX_RANK)
-        m = torch.einsum("btfr,frd->btfd", m, self.mix_b)  # (B, T, 5, D)
+        m = torch.tanh(self._mm(x + dx * self.mu_x, "mix_a")).view(B, T, 5, MIX_RANK)
+        packed = getattr(self, "mix_b_packed", None)  # model/gemm.py's own twin: our matmul per group
+        if packed is None:
+            m = torch.einsum("btfr,frd->btfd", m, self.mix_b)  # (B, T, 5, D)
+        else:
+            m = torch.stack([kernels.linear(m[:, :, f], packed[f], self.mix_b.shape[-1]) for f in range(5)], 2)
         xw, xk, xv, xr, xg = (x[:, :, None] + dx[:, :, None] * (self.mu + m)).unbind(2)
-        d = self.decay + torch.tanh(xw @ self.decay_a) @ self.decay_b
+        d = self.decay + self._mm(torch.tanh(self._mm(xw, "decay_a")), "decay_b")
         logw = (-torch.exp(d)).clamp(min=LOG_DECAY_MIN)
         r, k, v, logw = (self._heads(t) for t in (self.receptance(xr), self.key(xk), self.value(xv), logw))
         return r, k, v, logw, F.silu(self.gate(xg))

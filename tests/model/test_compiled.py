@@ -80,6 +80,8 @@ def test_compiled_equals_eager(preset, gemm):
                          [(p, "own", "aoti", (OWN, AOT_MIN_ROWS, "aoti")) for p in FAST]
                          + [(p, "inductor", "aoti", ("packed", AOT_MIN_ROWS, "aoti")) for p in FAST]
                          + [(p, "onednn", "aoti", ("onednn", ONEDNN[1], "dynamo")) for p in FAST]
+                         + [pytest.param(p, "own", "aoti", (OWN, AOT_MIN_ROWS, "aoti"), marks=pytest.mark.slow)
+                            for p in ("tiny-rwkv", "tiny-performer")]  # their parameter matmuls too
                          + [("tiny-linear", "own", "dynamo", (OWN, MIN_ROWS, "dynamo")),
                             ("tiny-linear", "inductor", "dynamo", ("packed", MIN_ROWS, "dynamo"))])
 def test_compiled_rows_do_not_depend_on_the_batch(preset, gemm, runtime, kernels):
