@@ -359,7 +359,7 @@ def test_cli_serves_a_bfloat16_checkpoint_under_its_given_name(hf_dirs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+@pytest.mark.parametrize("arch", ["mamba"])  # the family most checkpoints are (one build: ~25 s)
 def test_compiled_step_matches_transformers(arch, tmp_path):
     """A checkpoint's decode step compiled as the server runs it (our matmul for its projections,
     built ahead of time) gives transformers' logits token by token, and the same greedy tokens."""
