@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -59,6 +58,7 @@ from torch import Tensor
 from .aot import AotStep
 from .gemm import GEMMS, packable, twin
 from .graphs import GraphStep
+from .kernels import compiler
 from .lm import LM
 from .state import State
 
@@ -95,10 +95,7 @@ _COMPILING = threading.Lock()
 
 def compiler_missing() -> str | None:
     """Why inductor cannot build kernels here, or None when it can."""
-    cxx = os.environ.get("CXX") or next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
-    if cxx is None or not shutil.which(cxx):
-        return "no C++ compiler on PATH (g++, c++ or clang++; or set CXX)"
-    return None
+    return None if compiler() else "no C++ compiler on PATH (g++, c++ or clang++; or set CXX)"
 
 
 class Stepper:

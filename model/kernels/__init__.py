@@ -45,12 +45,13 @@ def unavailable() -> str | None:
     """Why the kernel cannot run here, or None when it can."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX", "AVX512_BF16", "AVX512_VNNI"):
         return f"this CPU's vector ISA is {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX-512"
-    if _compiler() is None:
+    if compiler() is None:
         return "no C++ compiler on PATH (g++, c++ or clang++; or set CXX)"
     return None
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C++ compiler inductor would use too: $CXX, else g++, c++ or clang++ on PATH."""
     cxx = os.environ.get("CXX") or next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
     return cxx if cxx and shutil.which(cxx) else None
 
@@ -77,7 +78,7 @@ def library() -> Path:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 out = Path(tmp) / path.name
-                cmd = [_compiler(), *FLAGS, f"-I{torch_dir / 'include'}", "-o", str(out), str(SOURCE),
+                cmd = [compiler(), *FLAGS, f"-I{torch_dir / 'include'}", "-o", str(out), str(SOURCE),
                        f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode:
