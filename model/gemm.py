@@ -33,6 +33,8 @@ import copy
 import torch
 from torch import Tensor, nn
 
+from . import kernels
+
 GEMMS = ("inductor", "onednn", "own")
 REORDER_ROWS = 64  # the row count oneDNN's weight layout is chosen for (any count above 1 gives the same bits)
 
@@ -60,17 +62,13 @@ class OwnLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        from .kernels import pack
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # shared, for code that reads a projection's shape or dtype
         self.bias = linear.bias
-        self.register_buffer("packed", pack(linear.weight))
+        self.register_buffer("packed", kernels.pack(linear.weight))
 
     def forward(self, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
-        y = torch.ops.linstream.packed_linear(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias,
-                                              self.out_features)
-        return y.reshape(*lead, self.out_features)  # (..., N)
+        return kernels.linear(x, self.packed, self.out_features, self.bias)  # (..., N)
 
 
 def packable(m: nn.Module) -> bool:
@@ -98,15 +96,10 @@ def pack_params(module: nn.Module) -> None:
     """Our kernel's packed copy of each parameter a mixer multiplies by outside nn.Linear (its
     PACKABLE: name -> layout), as a buffer `<name>_packed` its forward looks for: "kn" a (K, N)
     weight, "gkn" / "gnk" one (K, N) / (N, K) weight per group g."""
-    from .kernels import pack
     for name, layout in getattr(module, "PACKABLE", {}).items():
         w = getattr(module, name)
         if w.dtype != torch.float32 or w.device.type != "cpu":
             continue
-        packed = (pack(w.t()) if layout == "kn" else
-                  torch.stack([pack(g.t() if layout == "gkn" else g) for g in w]))
+        packed = (kernels.pack(w.t()) if layout == "kn" else
+                  torch.stack([kernels.pack(g.t() if layout == "gkn" else g) for g in w]))
         module.register_buffer(name + "_packed", packed)
-
-
-def onednn_twin(model: nn.Module) -> nn.Module:
-    return twin(model, "onednn")
