@@ -58,7 +58,7 @@ from torch import Tensor
 from .aot import AotStep
 from .gemm import GEMMS, packable, twin
 from .graphs import GraphStep
-from .kernels import compiler
+from .kernels import aoti_options, compiler, unavailable
 from .lm import LM
 from .state import State
 
@@ -79,7 +79,6 @@ ONEDNN = ({"freezing": True, "cpp_wrapper": True}, 4)
 def own_options() -> dict:
     """--gemm own (model/kernels): the step's settings, its float32 projections calling our
     kernel's C shim (the template is left with whatever matmuls are not nn.Linear's)."""
-    from .kernels import aoti_options
     return {**PACKED, **aoti_options()}
 
 
@@ -165,21 +164,20 @@ class Stepper:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # frozen weights are constants: the template packs them only if nothing asks for their grads
         self.model.requires_grad_(False)
-        # only the packed GEMMs are built ahead of time: oneDNN's reordered weights are opaque
-        # tensors (no storage to hash or embed), and the BLAS fallback is for steps that failed already
+        # our kernel and the packed GEMMs are built ahead of time: oneDNN's reordered weights are
+        # opaque tensors (no storage to hash or embed), and the BLAS fallback is for steps that failed
+        # already. Each try: (kernels, runtime, what to compile: () -> (model, settings), min_rows)
         runtimes = RUNTIMES[RUNTIMES.index(self.runtime):]
-        tries = [("packed", runtime, lambda: self.model, lambda: PACKED, AOT_MIN_ROWS if runtime == "aoti" else MIN_ROWS)
-                 for runtime in runtimes]
+        rows = {"aoti": AOT_MIN_ROWS, "dynamo": MIN_ROWS}
+        tries = [("packed", r, lambda: (self.model, PACKED), rows[r]) for r in runtimes]
         if self.gemm == "onednn":
-            tries = [("onednn", "dynamo", lambda: twin(self.model, "onednn"), lambda: ONEDNN[0], ONEDNN[1])]
+            tries = [("onednn", "dynamo", lambda: (twin(self.model, "onednn"), ONEDNN[0]), ONEDNN[1])]
         elif self.gemm == "own" and any(packable(m) for m in self.model.modules()) and self._own_unavailable() is None:
             # our kernel; inductor's template where it cannot be built or called
-            tries = [("own", runtime, lambda: twin(self.model, "own"), own_options, AOT_MIN_ROWS if runtime == "aoti"
-                      else MIN_ROWS) for runtime in runtimes] + tries
-        for kernels, runtime, model, options, min_rows in tries + [("blas", "dynamo", lambda: self.model,
-                                                                    lambda: LEGACY[0], LEGACY[1])]:
+            tries = [("own", r, lambda: (twin(self.model, "own"), own_options()), rows[r]) for r in runtimes] + tries
+        for kernels, runtime, make, min_rows in tries + [("blas", "dynamo", lambda: (self.model, LEGACY[0]), LEGACY[1])]:
             try:
-                model, options = model(), options()
+                model, options = make()
                 fn = self._aot(model, options, min_rows) if runtime == "aoti" else self._compile(model, options, min_rows)
                 break
             except Exception:
@@ -192,7 +190,6 @@ class Stepper:
         log.info("compiled decode step ready in %.1f s (%s matmuls, %s)", self.warm_s, kernels, runtime)
 
     def _own_unavailable(self) -> str | None:
-        from .kernels import unavailable
         why = unavailable()
         if why:
             log.info("--gemm own: %s; the step's matmuls run inductor's GEMM template instead", why)
