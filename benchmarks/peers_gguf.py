@@ -42,30 +42,36 @@ def twin_model(seed: int = 0, weights: Path = MAMBA) -> LM:
     return LM(twin_config(weights)).eval()
 
 
-def _tensors(lm: LM):
-    """(GGUF name, float32 array) for every weight, in llama.cpp's names. GGUF lists dimensions
-    innermost first, so a torch (out, in) matrix is stored as it lies and read as {in, out}."""
+def _tensors(lm: LM, f16: bool = False):
+    """(GGUF name, array) for every weight, in llama.cpp's names. GGUF lists dimensions innermost
+    first, so a torch (out, in) matrix is stored as it lies and read as {in, out}. With `f16`, the
+    embedding and the projections (what llama.cpp's own converter writes as f16) are float16; the
+    norms, the convolution, A, D and the biases stay float32, as llama.cpp wants them."""
     import gguf
     T, names = gguf.MODEL_TENSOR, gguf.TENSOR_NAMES
     f32 = lambda t: t.detach().float().contiguous().numpy()  # noqa: E731
-    yield names[T.TOKEN_EMBD] + ".weight", f32(lm.embed.weight)  # (V, D); also the tied output head
+    mat = (lambda t: f32(t).astype(np.float16)) if f16 else f32  # noqa: E731
+    yield names[T.TOKEN_EMBD] + ".weight", mat(lm.embed.weight)  # (V, D); also the tied output head
     yield names[T.OUTPUT_NORM] + ".weight", f32(lm.norm.weight)
     for i, block in enumerate(lm.blocks):
         m, n = block.mixer, lambda t: names[t].format(bid=i)  # noqa: E731
         yield n(T.ATTN_NORM) + ".weight", f32(block.norm1.weight)
-        yield n(T.SSM_IN) + ".weight", f32(m.in_proj.weight)  # (2E, D): x then z, as linstream splits
+        yield n(T.SSM_IN) + ".weight", mat(m.in_proj.weight)  # (2E, D): x then z, as linstream splits
         yield n(T.SSM_CONV1D) + ".weight", f32(m.conv1d.weight[:, 0])  # (E, W), oldest tap first
         yield n(T.SSM_CONV1D) + ".bias", f32(m.conv1d.bias)
-        yield n(T.SSM_X) + ".weight", f32(m.x_proj.weight)  # (R + 2N, E): dt, B, C
-        yield n(T.SSM_DT) + ".weight", f32(m.dt_proj.weight)
+        yield n(T.SSM_X) + ".weight", mat(m.x_proj.weight)  # (R + 2N, E): dt, B, C
+        yield n(T.SSM_DT) + ".weight", mat(m.dt_proj.weight)
         yield n(T.SSM_DT) + ".bias", f32(m.dt_proj.bias)
         yield n(T.SSM_A), f32(-torch.exp(m.A_log))  # llama.cpp stores A itself, not log(-A)
         yield n(T.SSM_D), f32(m.D)
-        yield n(T.SSM_OUT) + ".weight", f32(m.out_proj.weight)
+        yield n(T.SSM_OUT) + ".weight", mat(m.out_proj.weight)
 
 
-def write_gguf(lm: LM, tokenizer_json: Path, out: Path) -> Path:
-    """Write `lm` (a mixer-only Mamba LM) and the BPE tokenizer as an f32 GGUF file."""
+def write_gguf(lm: LM, tokenizer_json: Path, out: Path, f16: bool = False, eos: int = EOS) -> Path:
+    """Write `lm` (a mixer-only Mamba LM) and the BPE tokenizer as a GGUF file, f32 (or its
+    projections f16). A tokenizer with fewer ids than the model's vocabulary (a published shape's
+    50,280 rows beside linstream's 2,048 tokens) is padded with unused tokens, as published
+    checkpoints pad their embeddings."""
     import gguf
     cfg = lm.cfg
     if set(cfg.layer_mixers) != {"mamba"} or cfg.mlp_ratio or not cfg.tie_embeddings or cfg.norm != "rms":
@@ -76,8 +82,10 @@ def write_gguf(lm: LM, tokenizer_json: Path, out: Path) -> Path:
         raise ValueError("llama.cpp's `mamba` supports expand 2 only")
     tok = json.loads(Path(tokenizer_json).read_text())["model"]
     vocab = sorted(tok["vocab"].items(), key=lambda kv: kv[1])
-    if [i for _, i in vocab] != list(range(cfg.vocab_size)):
-        raise ValueError("tokenizer ids must be 0..vocab_size-1")
+    if [i for _, i in vocab] != list(range(len(vocab))) or len(vocab) > cfg.vocab_size:
+        raise ValueError("tokenizer ids must be 0..n-1, n <= vocab_size")
+    tokens = [t for t, _ in vocab] + [f"<|unused_{i}|>" for i in range(len(vocab), cfg.vocab_size)]
+    types = [gguf.TokenType.NORMAL] * len(vocab) + [gguf.TokenType.UNUSED] * (cfg.vocab_size - len(vocab))
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["merges"]]
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -94,18 +102,18 @@ def write_gguf(lm: LM, tokenizer_json: Path, out: Path) -> Path:
     w.add_ssm_time_step_rank(cfg.dt_rank)
     w.add_ssm_dt_b_c_rms(False)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([gguf.TokenType.NORMAL] * len(vocab))
+    w.add_token_list(tokens)
+    w.add_token_types(types)
     w.add_token_merges(merges)
-    w.add_bos_token_id(EOS)
-    w.add_eos_token_id(EOS)
+    w.add_bos_token_id(eos)
+    w.add_eos_token_id(eos)
     w.add_add_bos_token(False)
     w.add_add_eos_token(False)
-    for name, arr in _tensors(lm):
-        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    for name, arr in _tensors(lm, f16):
+        w.add_tensor(name, np.ascontiguousarray(arr))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from .aot import AotStep
-from .gemm import GEMMS, packable, twin
+from .gemm import GEMMS, own_kind, twin
 from .graphs import GraphStep
 from .kernels import aoti_options, compiler, unavailable
 from .lm import LM
@@ -172,7 +172,7 @@ class Stepper:
         tries = [("packed", r, lambda: (self.model, PACKED), rows[r]) for r in runtimes]
         if self.gemm == "onednn":
             tries = [("onednn", "dynamo", lambda: (twin(self.model, "onednn"), ONEDNN[0]), ONEDNN[1])]
-        elif self.gemm == "own" and any(packable(m) for m in self.model.modules()) and self._own_unavailable() is None:
+        elif self.gemm == "own" and any(own_kind(m) for m in self.model.modules()) and self._own_unavailable() is None:
             # our kernel; inductor's template where it cannot be built or called
             tries = [("own", r, lambda: (twin(self.model, "own"), own_options()), rows[r]) for r in runtimes] + tries
         for kernels, runtime, make, min_rows in tries + [("blas", "dynamo", lambda: (self.model, LEGACY[0]), LEGACY[1])]:

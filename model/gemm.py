@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from . import kernels
+from .lowp import BF16Linear
 
 GEMMS = ("inductor", "onednn", "own")
 REORDER_ROWS = 64  # the row count oneDNN's weight layout is chosen for (any count above 1 gives the same bits)
@@ -71,22 +72,44 @@ class OwnLinear(nn.Module):
         return kernels.linear(x, self.packed, self.out_features, self.bias)  # (..., N)
 
 
+class OwnBF16Linear(BF16Linear):
+    """A BF16Linear (--weights bfloat16) through our kernel over bfloat16 panels: the weights'
+    bytes halved as with inductor's bfloat16 template, but the input stays float32 (the kernel
+    widens each weight as it loads it), so the result is float32 weights rounded to bfloat16
+    multiplied in float32, one FMA chain per output as for float32 panels. Its `w` is shared with
+    the BF16Linear it stands for; only the panels are new."""
+
+    def __init__(self, linear: BF16Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.w, self.bias = linear.w, linear.bias
+        self.register_buffer("packed", kernels.pack(linear.w, torch.bfloat16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return kernels.linear(x.float(), self.packed, self.out_features, self.bias)  # (..., N) float32
+
+
 def packable(m: nn.Module) -> bool:
-    """A projection our kernel (or oneDNN's) can take: a float32 CPU nn.Linear."""
+    """A projection oneDNN's kernel (and ours) can take: a float32 CPU nn.Linear."""
     return type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+
+
+def own_kind(m: nn.Module) -> type[nn.Module] | None:
+    """What our kernel runs `m` as, or None where it does not take it."""
+    return OwnLinear if packable(m) else OwnBF16Linear if type(m) is BF16Linear and m.w.device.type == "cpu" else None
 
 
 def twin(model: nn.Module, gemm: str) -> nn.Module:
     """A copy of `model` whose float32 CPU nn.Linear run OneDnnLinear ("onednn") or OwnLinear
     ("own"); every parameter and buffer is shared with `model` (only the packed weights are new:
     one more copy of the projections)."""
-    kind = {"onednn": OneDnnLinear, "own": OwnLinear}[gemm]
+    kind = {"onednn": lambda m: OneDnnLinear if packable(m) else None, "own": own_kind}[gemm]
     memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
     copied = copy.deepcopy(model, memo)
     for parent in list(copied.modules()):
         for name, child in list(parent.named_children()):
-            if packable(child):
-                setattr(parent, name, kind(child))
+            if kind(child) is not None:
+                setattr(parent, name, kind(child)(child))
         if gemm == "own":
             pack_params(parent)
     return copied.requires_grad_(False)

@@ -4,11 +4,14 @@
     packed = pack(linear.weight)                  # (ceil(N/32), K, 32), zero-padded
     y = torch.ops.linstream.packed_linear(x, packed, linear.bias, linear.out_features)
 
-The kernel (packed_linear.cpp) is plain AVX-512: weights in panels of 32 output columns, a 12-row
-register block where rows share a panel's loads, and fewer rows walking several panels at once.
+The kernel (packed_linear.cpp) is plain AVX-512, or AVX2 + FMA where the CPU has no AVX-512 (one
+source, built for the ISA torch reports): weights in panels of 32 output columns, register blocks
+where rows share a panel's loads (12 rows with AVX-512, 3 with AVX2), and fewer rows walking
+several panels at once.
 Each output is one FMA chain over k from zero and then its bias, so a row's bits never depend on
-the rows beside it (batch invariance, goal 7 of the README's issue-13 table): the same property
-inductor's own GEMM template has, at 2.6-3.8x its speed at 64 rows (benchmarks/own_gemm.py).
+the rows beside it (batch invariance, goal 7 of the README's issue-13 table), nor on which of the
+two builds ran it: the same property inductor's own GEMM template has, at 2.6-3.8x its speed at
+64 rows with AVX-512 (benchmarks/own_gemm.py).
 
 AOTInductor calls it straight from the generated step through its C shim
 (`aoti_torch_cpu_packed_linear`, listed in `aot_inductor.custom_ops_to_c_shims`): no dispatcher,
@@ -32,7 +35,10 @@ from torch import Tensor
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
 NR = 32  # a panel's columns
-FLAGS = ["-O3", "-mavx512f", "-mfma", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-shared", "-fPIC", "-std=c++17"]
+# torch's report of the CPU's vector ISA -> the kernel's build flags (packed_linear.cpp picks its
+# vectors from the macros these set)
+ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 # the declaration AOTInductor's generated code is given for the op (aot_inductor.custom_ops_to_c_shims)
 SHIM = ("AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle packed, "
         "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)")
@@ -41,10 +47,20 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 
 
+def isa() -> str | None:
+    """"AVX512" or "AVX2" (the kernel's two builds) from torch's report of this CPU, else None."""
+    cap = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX512_BF16, AVX512_VNNI, AMX, AVX2, DEFAULT, ...
+    return "AVX512" if cap.startswith("AVX512") or cap == "AMX" else "AVX2" if cap == "AVX2" else None
+
+
+def flags() -> list[str]:
+    return FLAGS + ISA_FLAGS[isa()]
+
+
 def unavailable() -> str | None:
     """Why the kernel cannot run here, or None when it can."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX", "AVX512_BF16", "AVX512_VNNI"):
-        return f"this CPU's vector ISA is {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX-512"
+    if isa() is None:
+        return f"this CPU's vector ISA is {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX-512 or AVX2"
     if compiler() is None:
         return "no C++ compiler on PATH (g++, c++ or clang++; or set CXX)"
     return None
@@ -67,18 +83,18 @@ def library() -> Path:
     global _lib
     with _lock:
         torch_dir = Path(torch.__file__).parent
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
+        why = unavailable()
+        if why:
+            raise RuntimeError(f"the packed_linear kernel cannot be built: {why}")
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags()).encode() + torch.__version__.encode()).hexdigest()[:16]
         path = _cache_dir() / f"libpacked_linear-{key}.so"
         if _lib is not None and Path(_lib._name) == path:
             return path
         if not path.exists():
-            why = unavailable()
-            if why:
-                raise RuntimeError(f"the packed_linear kernel cannot be built: {why}")
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 out = Path(tmp) / path.name
-                cmd = [compiler(), *FLAGS, f"-I{torch_dir / 'include'}", "-o", str(out), str(SOURCE),
+                cmd = [compiler(), *flags(), f"-I{torch_dir / 'include'}", "-o", str(out), str(SOURCE),
                        f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode:
@@ -88,6 +104,7 @@ def library() -> Path:
         p, i = ctypes.c_void_p, ctypes.c_int64
         lib.linstream_pack.argtypes = [p, i, i, p]
         lib.linstream_packed_linear.argtypes = [p, i, i, i, p, i, p, p]
+        lib.linstream_packed_linear_bf16.argtypes = [p, i, i, i, p, i, p, p]
         _lib = lib
         return path
 
@@ -98,30 +115,34 @@ def _loaded() -> ctypes.CDLL:
     return _lib
 
 
-def pack(weight: Tensor) -> Tensor:
-    """W (N, K) float32 -> its panels (ceil(N/32), K, 32), the last one padded with zero columns."""
+def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """W (N, K) -> its panels (ceil(N/32), K, 32), the last one padded with zero columns, in `dtype`
+    (float32, or bfloat16: the kernel widens those as it loads them; a bfloat16 W packs exactly)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"packed_linear holds float32 or bfloat16 panels, not {dtype}")
     w = weight.detach().float().contiguous()
     N, K = w.shape
     p = torch.empty((N + NR - 1) // NR, K, NR)
     _loaded().linstream_pack(w.data_ptr(), N, K, p.data_ptr())
-    return p
+    return p.to(dtype)
 
 
 @torch.library.custom_op("linstream::packed_linear", mutates_args=())
 def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None, n: int) -> Tensor:
-    """x (M, K) @ W.T + bias -> (M, n), W as `pack` left it."""
+    """x (M, K) @ W.T + bias -> (M, n), W as `pack` left it (float32 or bfloat16 panels)."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or packed.shape[1] != x.shape[1]:
         raise ValueError(f"packed_linear takes dense float32 rows (M, {packed.shape[1]}), not {tuple(x.shape)} "
                          f"{x.dtype} with strides {x.stride()}")
-    if not (packed.shape[0] - 1) * NR < n <= packed.shape[0] * NR or packed.dtype != torch.float32 or (
+    if not (packed.shape[0] - 1) * NR < n <= packed.shape[0] * NR or packed.dtype not in (torch.float32, torch.bfloat16) or (
             bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32)):
         raise ValueError(f"packed_linear: {n} outputs, panels {tuple(packed.shape)} {packed.dtype} and bias "
                          f"{None if bias is None else (tuple(bias.shape), bias.dtype)} do not go together")
     M, K = x.shape
     y = x.new_empty(M, n)
     b = bias.contiguous() if bias is not None else None
-    _loaded().linstream_packed_linear(x.data_ptr(), M, K, x.stride(0), packed.data_ptr(), n,
-                                      b.data_ptr() if b is not None else None, y.data_ptr())
+    fn = _loaded().linstream_packed_linear_bf16 if packed.dtype == torch.bfloat16 else _loaded().linstream_packed_linear
+    fn(x.data_ptr(), M, K, x.stride(0), packed.data_ptr(), n, b.data_ptr() if b is not None else None,
+       y.data_ptr())
     return y
 
 

@@ -1,14 +1,21 @@
-// y[M, N] = x[M, K] . W^T (+ b), float32, one thread, AVX-512: the compiled decode step's projections.
+// y[M, N] = x[M, K] . W^T (+ b), float32, one thread, AVX-512 or AVX2 + FMA: the compiled decode
+// step's projections.
 //
 // W is packed once into panels of 32 output columns, p[N/32][K][32] (the last panel padded with
-// zero columns), so a panel's k-th row is two vectors. Every output is one FMA chain over
-// k = 0..K-1 starting from zero, then the bias added: whatever M is and whichever register block a
-// row falls in, its bits are the same, so a session's text does not depend on the batch it shared.
-// The blocks differ only in how many rows share a panel's loads (12, 8, 4, 2, 1) and how many
-// panels a few rows walk at once (more independent chains where there is little reuse).
+// zero columns), so a panel's k-th row is two AVX-512 vectors or four AVX2 ones. Every output is
+// one FMA chain over k = 0..K-1 starting from zero, then the bias added: whatever M is, whichever
+// register block a row falls in and whichever of the two instruction sets runs it, its bits are
+// the same, so a session's text does not depend on the batch it shared (nor on the CPU it moved to).
+// The blocks differ only in how many rows share a panel's loads and how many panels a few rows walk
+// at once (more independent chains where there is little reuse); AVX2's 16 registers hold
+// smaller blocks than AVX-512's 32.
 //
-// Two entry points over the same code: linstream_packed_linear (raw pointers, for ctypes and the
-// eager op) and aoti_torch_cpu_packed_linear, the C shim AOTInductor's generated step calls for
+// The panels may also hold bfloat16 weights (--weights bfloat16): each is widened exactly as it is
+// loaded, so the result is float32 weights rounded to bfloat16 multiplied the same way, with half
+// the bytes to stream (what bounds a one-row step of a large model).
+//
+// Entry points over the same code: linstream_packed_linear(_bf16) (raw pointers, for ctypes and
+// the eager op) and aoti_torch_cpu_packed_linear, the C shim AOTInductor's generated step calls for
 // torch.ops.linstream.packed_linear (model/kernels/__init__.py).
 #include <immintrin.h>
 #include <stddef.h>
@@ -18,48 +25,79 @@
 
 namespace {
 
-constexpr int NR = 32;  // a panel's columns: two vectors
+constexpr int NR = 32;  // a panel's columns
 
-template <int MR, int NP>
-inline void block(const float *x, int64_t ldx, const float *p, int64_t K, const float *bias, float *y, int64_t ldy,
+// One vector of LANES floats; `first(n)` loads or stores its first n lanes only (0 <= n <= LANES).
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int LANES = 16;
+inline vec zero() { return _mm512_setzero_ps(); }
+inline vec load(const float *p) { return _mm512_loadu_ps(p); }
+inline vec load(const uint16_t *p) {  // 16 bfloat16 -> float32, exactly: the 16 bits become the top half
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+inline vec splat(float a) { return _mm512_set1_ps(a); }
+inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline __mmask16 first(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+inline vec load_first(const float *p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }
+inline void store_first(float *p, vec v, int n) { _mm512_mask_storeu_ps(p, first(n), v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+using vec = __m256;
+constexpr int LANES = 8;
+inline vec zero() { return _mm256_setzero_ps(); }
+inline vec load(const float *p) { return _mm256_loadu_ps(p); }
+inline vec load(const uint16_t *p) {  // 8 bfloat16 -> float32, exactly
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+inline vec splat(float a) { return _mm256_set1_ps(a); }
+inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline __m256i first(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+inline vec load_first(const float *p, int n) { return n >= 8 ? load(p) : _mm256_maskload_ps(p, first(n)); }
+inline void store_first(float *p, vec v, int n) {
+    if (n >= 8) _mm256_storeu_ps(p, v);
+    else _mm256_maskstore_ps(p, first(n), v);
+}
+#else
+#error "packed_linear needs AVX-512 (-mavx512f) or AVX2 with FMA (-mavx2 -mfma)"
+#endif
+
+constexpr int NV = NR / LANES;  // vectors in a panel's row
+
+template <int MR, int NP, typename W>
+inline void block(const float *x, int64_t ldx, const W *p, int64_t K, const float *bias, float *y, int64_t ldy,
                   int64_t cols) {
     // MR rows x NP panels; `cols` = valid columns in the last panel (32 unless it is the matrix's last)
-    __m512 acc[MR][NP][2];
+    vec acc[MR][NP][NV];
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NP; j++) acc[i][j][0] = acc[i][j][1] = _mm512_setzero_ps();
+        for (int j = 0; j < NP; j++)
+            for (int v = 0; v < NV; v++) acc[i][j][v] = zero();
     const int64_t panel = K * NR;
     for (int64_t k = 0; k < K; k++) {
-        __m512 b[NP][2];
-        for (int j = 0; j < NP; j++) {
-            b[j][0] = _mm512_loadu_ps(p + j * panel + k * NR);
-            b[j][1] = _mm512_loadu_ps(p + j * panel + k * NR + 16);
-        }
+        vec b[NP][NV];
+        for (int j = 0; j < NP; j++)
+            for (int v = 0; v < NV; v++) b[j][v] = load(p + j * panel + k * NR + v * LANES);
         for (int i = 0; i < MR; i++) {
-            __m512 a = _mm512_set1_ps(x[i * ldx + k]);
-            for (int j = 0; j < NP; j++) {
-                acc[i][j][0] = _mm512_fmadd_ps(a, b[j][0], acc[i][j][0]);
-                acc[i][j][1] = _mm512_fmadd_ps(a, b[j][1], acc[i][j][1]);
-            }
+            vec a = splat(x[i * ldx + k]);
+            for (int j = 0; j < NP; j++)
+                for (int v = 0; v < NV; v++) acc[i][j][v] = fma(a, b[j][v], acc[i][j][v]);
         }
     }
     for (int j = 0; j < NP; j++) {
         int64_t c = j == NP - 1 ? cols : NR;  // only the last panel of a call can be short
-        __mmask16 m0 = c >= 16 ? 0xffff : (__mmask16)((1u << c) - 1);
-        __mmask16 m1 = c <= 16 ? 0 : c >= 32 ? 0xffff : (__mmask16)((1u << (c - 16)) - 1);
-        __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias + j * NR) : _mm512_setzero_ps();
-        __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + j * NR + 16) : _mm512_setzero_ps();
-        for (int i = 0; i < MR; i++) {
-            __m512 v0 = acc[i][j][0], v1 = acc[i][j][1];
-            if (bias) { v0 = _mm512_add_ps(v0, b0); v1 = _mm512_add_ps(v1, b1); }
-            _mm512_mask_storeu_ps(y + i * ldy + j * NR, m0, v0);
-            _mm512_mask_storeu_ps(y + i * ldy + j * NR + 16, m1, v1);
+        for (int v = 0; v < NV; v++) {
+            int n = (int)(c - v * LANES < 0 ? 0 : c - v * LANES > LANES ? LANES : c - v * LANES);
+            vec bv = bias ? load_first(bias + j * NR + v * LANES, n) : zero();
+            for (int i = 0; i < MR; i++)
+                store_first(y + i * ldy + j * NR + v * LANES, bias ? add(acc[i][j][v], bv) : acc[i][j][v], n);
         }
     }
 }
 
 // rows x (MR of them) against panels j0..j1-1 of the weights, NP panels at a time, then one at a time
-template <int MR, int NP>
-inline void rows(const float *x, int64_t ldx, const float *p, int64_t K, int64_t N, int64_t j0, int64_t j1,
+template <int MR, int NP, typename W>
+inline void rows(const float *x, int64_t ldx, const W *p, int64_t K, int64_t N, int64_t j0, int64_t j1,
                  const float *bias, float *y) {
     const int64_t panels = (N + NR - 1) / NR;
     int64_t j = j0;
@@ -74,6 +112,30 @@ inline void rows(const float *x, int64_t ldx, const float *p, int64_t K, int64_t
 }
 
 constexpr int64_t GROUP = 8;  // panels whose weights (8 x K x 32 floats) stay in L2 while every row passes
+
+// y = x . W^T (+ b) over panels of float32 or of bfloat16 (widened exactly as they are loaded: the
+// same FMA chains as float32 weights that were rounded to bfloat16, half the bytes to stream)
+template <typename W>
+void packed_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const W *p, int64_t N, const float *bias,
+                   float *y) {
+    // the largest row blocks share each panel's loads; fewer rows walk several panels at once instead
+    const int64_t panels = (N + NR - 1) / NR;
+    for (int64_t j0 = 0; j0 < panels; j0 += GROUP) {
+        const int64_t j1 = j0 + GROUP < panels ? j0 + GROUP : panels;
+        int64_t i = 0;
+#if defined(__AVX512F__)  // 32 registers: up to 24 accumulators
+        for (; i + 12 <= M; i += 12) rows<12, 1>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
+        for (; i + 8 <= M; i += 8) rows<8, 1>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
+        for (; i + 4 <= M; i += 4) rows<4, 2>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
+        for (; i + 2 <= M; i += 2) rows<2, 4>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
+        for (; i < M; i++) rows<1, 8>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
+#else  // 16 registers: 12 accumulators, the panel's four vectors and the broadcast row value
+        for (; i + 3 <= M; i += 3) rows<3, 1>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
+        for (; i + 2 <= M; i += 2) rows<2, 1>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
+        for (; i < M; i++) rows<1, 2>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
+#endif
+    }
+}
 
 }  // namespace
 
@@ -92,36 +154,37 @@ void linstream_pack(const float *w, int64_t N, int64_t K, float *p) {
 
 void linstream_packed_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const float *p, int64_t N,
                              const float *bias, float *y) {
-    // 12-row blocks share each panel's loads; fewer rows walk several panels at once instead
-    const int64_t panels = (N + NR - 1) / NR;
-    for (int64_t j0 = 0; j0 < panels; j0 += GROUP) {
-        const int64_t j1 = j0 + GROUP < panels ? j0 + GROUP : panels;
-        int64_t i = 0;
-        for (; i + 12 <= M; i += 12) rows<12, 1>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
-        for (; i + 8 <= M; i += 8) rows<8, 1>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
-        for (; i + 4 <= M; i += 4) rows<4, 2>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
-        for (; i + 2 <= M; i += 2) rows<2, 4>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
-        for (; i < M; i++) rows<1, 8>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
-    }
+    packed_linear(x, M, K, ldx, p, N, bias, y);
+}
+
+void linstream_packed_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *p, int64_t N,
+                                  const float *bias, float *y) {
+    packed_linear(x, M, K, ldx, p, N, bias, y);
 }
 
 // The C shim for torch.ops.linstream.packed_linear(x (M, K), packed, bias?, n) -> (M, n), as
-// AOTInductor's generated code calls a custom op listed in aot_inductor.custom_ops_to_c_shims.
+// AOTInductor's generated code calls a custom op listed in aot_inductor.custom_ops_to_c_shims;
+// `packed` is float32 or bfloat16.
 AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle packed, AtenTensorHandle *bias,
                                             int64_t n, AtenTensorHandle *ret0) {
     int64_t *sizes, *strides;
     if (aoti_torch_get_sizes(x, &sizes) || aoti_torch_get_strides(x, &strides)) return 1;
     const int64_t M = sizes[0], K = sizes[1], ldx = strides[0];
     if (strides[1] != 1 && K > 1) return 1;  // the op's callers hand it dense rows (OwnLinear)
+    int32_t dtype;
     void *xp, *pp, *bp = nullptr, *yp;
     if (aoti_torch_get_data_ptr(x, &xp) || aoti_torch_get_data_ptr(packed, &pp)) return 1;
+    if (aoti_torch_get_dtype(packed, &dtype)) return 1;
     if (bias && *bias && aoti_torch_get_data_ptr(*bias, &bp)) return 1;
     const int64_t out_sizes[2] = {M, n}, out_strides[2] = {n, 1};
     if (aoti_torch_empty_strided(2, out_sizes, out_strides, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0,
                                  ret0))
         return 1;
     if (aoti_torch_get_data_ptr(*ret0, &yp)) return 1;
-    linstream_packed_linear((const float *)xp, M, K, ldx, (const float *)pp, n, (const float *)bp, (float *)yp);
+    if (dtype == aoti_torch_dtype_bfloat16())
+        packed_linear((const float *)xp, M, K, ldx, (const uint16_t *)pp, n, (const float *)bp, (float *)yp);
+    else
+        packed_linear((const float *)xp, M, K, ldx, (const float *)pp, n, (const float *)bp, (float *)yp);
     return 0;
 }
 

@@ -1,6 +1,7 @@
-"""Our float32 matmul (model/kernels): torch.ops.linstream.packed_linear against F.linear, and a
-row's bits independent of the rows beside it, the property the compiled step's batch invariance
-rests on."""
+"""Our float32 matmul (model/kernels): torch.ops.linstream.packed_linear against F.linear, over
+float32 or bfloat16 panels, and a row's bits independent of the rows beside it, the property the
+compiled step's batch invariance rests on. The suite runs whichever build this CPU takes (AVX-512
+or AVX2)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,27 +14,42 @@ pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"the kernel c
 SHAPES = [(256, 768), (512, 256), (256, 2048), (512, 32), (16, 512), (100, 37), (7, 65), (1, 1), (33, 1)]
 
 
+DTYPES = [torch.float32, torch.bfloat16]
+
+
 @pytest.mark.parametrize("K,N", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_f_linear(K, N, bias):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_f_linear(K, N, bias, dtype):
+    """bfloat16 panels compute what float32 weights rounded to bfloat16 do (inputs stay float32)."""
     g = torch.Generator().manual_seed(K * 1000 + N)
     w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g) if bias else None
-    p = pack(w)
-    assert p.shape == ((N + NR - 1) // NR, K, NR)
-    for M in (1, 2, 3, 5, 12, 13, 64, 70):
+    p = pack(w, dtype)
+    assert p.shape == ((N + NR - 1) // NR, K, NR) and p.dtype == dtype
+    for M in (1, 2, 3, 4, 5, 12, 13, 64, 70):
         x = torch.randn(M, K, generator=g)
         y = torch.ops.linstream.packed_linear(x, p, b, N)
-        assert y.shape == (M, N)
-        torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4 * K ** 0.5, rtol=1e-5)
+        assert y.shape == (M, N) and y.dtype == torch.float32
+        torch.testing.assert_close(y, F.linear(x, w.to(dtype).float(), b), atol=1e-4 * K ** 0.5, rtol=1e-5)
+
+
+def test_bfloat16_panels_hold_a_bfloat16_weight_exactly():
+    w = torch.randn(70, 48).to(torch.bfloat16)
+    p = pack(w, torch.bfloat16)
+    assert torch.equal(p.permute(0, 2, 1).reshape(-1, 48)[:70], w)  # panel q, column j = output row 32q + j
+    assert torch.equal(p.permute(0, 2, 1).reshape(-1, 48)[70:].float(), torch.zeros(26, 48))
+    with pytest.raises(ValueError, match="float32 or bfloat16 panels"):
+        pack(w, torch.float16)
 
 
 @pytest.mark.parametrize("K,N", SHAPES)
-def test_a_rows_bits_do_not_depend_on_its_batch(K, N):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rows_bits_do_not_depend_on_its_batch(K, N, dtype):
     """Every output is one FMA chain over k from zero and then its bias, whichever register block
-    (12, 8, 4, 2 or 1 rows) its row falls in."""
+    (12, 8, 4, 2 or 1 rows with AVX-512; 3, 2 or 1 with AVX2) its row falls in."""
     g = torch.Generator().manual_seed(N)
     w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
-    p = pack(w)
+    p = pack(w, dtype)
     x = torch.randn(70, K, generator=g)
     full = torch.ops.linstream.packed_linear(x, p, b, N)
     for rows in ([0], [69], [5, 6, 7], list(range(13)), list(range(1, 64)), [3, 60, 1, 30, 31], list(range(8, 70))):

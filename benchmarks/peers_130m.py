@@ -1,0 +1,134 @@
+"""linstream beside llama.cpp and transformers on a published checkpoint's shape: Mamba-1 130 M.
+
+The shipped models have 3 M parameters; the Mamba-1 checkpoints people run start at 130 M
+(d_model 768, 24 layers, d_state 16, expand 2, vocab 50,280, tied head). This builds that shape
+with random weights through transformers (nothing is downloaded), saves it in the Hugging Face
+layout, loads it the way `linstream serve -m DIR` does (model/hf.py, then the compiled step of
+model/compiled.py, built ahead of time: ~3 minutes on 2 cores the first time, then from the
+cache), writes the same weights as a GGUF for llama.cpp (through llama-cpp-python), f32 and f16,
+and times one token's decode step at batch 1 on one thread each, the systems taking turns round
+by round. It checks that the three compute the same logits, and times linstream's step at larger
+batches (the engine's batch of sessions) on its own.
+
+    python benchmarks/peers_130m.py --out benchmarks/results/peers_130m     # ~6 minutes on 2 cores
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers  # noqa: E402
+import peers_gguf  # noqa: E402
+import peers_hf  # noqa: E402
+import peers_llama  # noqa: E402
+from model import WEIGHTS  # noqa: E402
+from model.compiled import Stepper  # noqa: E402
+from model.hf import load_checkpoint  # noqa: E402
+from model.timing import state_at, time_steps  # noqa: E402
+
+SHAPE = {"hidden_size": 768, "num_hidden_layers": 24, "state_size": 16, "expand": 2, "conv_kernel": 4,
+         "vocab_size": 50280}
+
+
+def make_checkpoint(d: Path, seed: int = 0) -> Path:
+    """A random Mamba-1 of the 130 M shape in the HF layout, with linstream's 2,048-token tokenizer
+    (ids past it are padding rows, as published vocabularies are padded)."""
+    from transformers import MambaConfig, MambaForCausalLM
+    torch.manual_seed(seed)
+    MambaForCausalLM(MambaConfig(**SHAPE)).save_pretrained(d, safe_serialization=True)
+    shutil.copy(WEIGHTS / "tokenizer.json", d / "tokenizer.json")
+    return d
+
+
+def best_of_rounds(timers: dict, rounds: int, steps: int) -> dict:
+    """ms per step for each timer, the timers taking turns `rounds` times so that a burst of load
+    on the shared machine falls on all of them: the lowest of the rounds' medians, and the median."""
+    times = {k: [] for k in timers}
+    for _ in range(rounds):
+        for k, timer in timers.items():
+            times[k].append(timer(steps))
+    return {k: {"ms_best_round": round(1000 * min(statistics.median(r) for r in rs), 3),
+                "ms_median": round(1000 * statistics.median([t for r in rs for t in r]), 3)}
+            for k, rs in times.items()}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=128, help="tokens in the state before timed decoding")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per system per round")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="linstream's step alone at these rows")
+    ap.add_argument("--out", default="benchmarks/results/peers_130m")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    for why in (peers_llama.why_unavailable(), peers_hf.why_unavailable()):
+        if why:
+            sys.exit(why)
+    t_start = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="linstream-130m-"))
+    try:
+        res = run(a, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    res["seconds"] = round(time.perf_counter() - t_start, 1)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out + ".json").write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {a.out}.json in {res['seconds']:.0f} s")
+
+
+def run(a, work: Path) -> dict:
+    from transformers import MambaForCausalLM
+    path = make_checkpoint(work / "mamba-130m-random")
+    model, tok = load_checkpoint(path)
+    model.requires_grad_(False)
+    print(f"checkpoint: {path.name}, {model.num_params():,} parameters", flush=True)
+    t0 = time.perf_counter()
+    step = Stepper(model, "auto", background=False)
+    build_s = time.perf_counter() - t0
+    print(f"linstream's step: {step.runtime}, kernels {step.kernels} (ready in {build_s:.0f} s)", flush=True)
+    ggufs = {"f32": work / "m-f32.gguf", "f16": work / "m-f16.gguf"}
+    for kind, g in ggufs.items():
+        peers_gguf.write_gguf(model, path / "tokenizer.json", g, f16=kind == "f16", eos=tok.vocab_size - 1)
+    llms = {kind: peers_llama.load(g) for kind, g in ggufs.items()}
+    hf = MambaForCausalLM.from_pretrained(path).eval()
+
+    ctx = [random.Random(0).randrange(tok.vocab_size) for _ in range(a.context)]
+    st = state_at(model, a.context)
+    timers = {"linstream": lambda n: time_steps(step, st, n),
+              **{f"llama_cpp_{k}": (lambda n, llm=llm: peers_llama.decode_times(llm, ctx, n)) for k, llm in llms.items()}}
+    print(f"decode at batch 1 after {a.context} tokens, one thread, {a.rounds} rounds taking turns ...", flush=True)
+    inproc = best_of_rounds(timers, a.rounds, a.steps)
+    inproc["linstream_eager"] = best_of_rounds({"e": lambda n: time_steps(model, st, n)}, 1, a.steps)["e"]
+    ids = torch.tensor([ctx])
+    inproc["transformers"] = {"ms_per_token": round(peers_hf.generate_ms_per_token(hf, ids, 16), 3)}
+    for k, v in inproc.items():
+        print(f"  {k:18s} {json.dumps(v)}", flush=True)
+
+    batches = {}
+    for B in a.batches:
+        stB = state_at(model, a.context).select([0] * B)
+        ms = 1000 * statistics.median(time_steps(step, stB, max(5, a.steps // 2)))
+        batches[B] = {"ms_per_step": round(ms, 3), "tokens_per_s": round(1000 * B / ms, 1)}
+        print(f"  linstream step, {B:3d} rows: {ms:8.2f} ms  {1000 * B / ms:8.1f} tok/s", flush=True)
+
+    agree = {k: peers.agreement(model, llm, hf if k == "f32" else None, tok) for k, llm in llms.items()}
+    print("agreement with linstream: " + json.dumps(agree), flush=True)
+    return {"command": "python " + " ".join(sys.argv), "machine": peers.machine(), "versions": peers.versions(),
+            "shape": SHAPE, "parameters": model.num_params(), "context": a.context,
+            "linstream_step": {"runtime": step.runtime, "kernels": step.kernels, "ready_s": round(build_s, 1)},
+            "in_process_batch_1": inproc, "linstream_batches": batches, "agreement": agree}
+
+
+if __name__ == "__main__":
+    main()
