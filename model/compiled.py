@@ -5,10 +5,11 @@
 
 One graph serves every batch size from MIN_ROWS up: the batch dim is compiled symbolic, so there
 is one compile instead of one per bucket. The weights are frozen into the graph (the model's
-parameters stop asking for grads). By default (`gemm="own"`) every float32 nn.Linear runs our own
-AVX-512 kernel (model/kernels) over weights packed once: inductor's template's one-row speed and
-MKL's at 64 rows, each output one FMA chain over k whatever the batch; where that kernel cannot be
-built (no AVX-512), or for `gemm="inductor"`, the matmuls run inductor's own C++ GEMM template over them,
+parameters stop asking for grads). By default (`gemm="own"`) every float32 nn.Linear (and every
+bfloat16 one of `--weights bfloat16`) runs our own AVX-512 or AVX2 kernel (model/kernels) over
+weights packed once: inductor's template's one-row speed and MKL's at 64 rows, each output one FMA
+chain over k whatever the batch; where that kernel cannot be built (neither ISA, no compiler), or
+for `gemm="inductor"`, the matmuls run inductor's own C++ GEMM template over them,
 packed once at compile time (freezing + max-autotune, CPP backend only), not MKL: each row goes
 through the same micro-kernel with the same order of additions whatever the batch, so a row's
 logits and state are bit-identical from one row to hundreds (tests/model/test_compiled.py). MKL takes a

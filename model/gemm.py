@@ -2,12 +2,13 @@
 
     twin = twin(model, "own")     # shares every tensor with `model`; its nn.Linear run our kernel
 
-"own" (the default) is our AVX-512 kernel (model/kernels) over weights packed once in panels of
-32 columns, called from the step built ahead of time through its C shim. At one row it streams
+"own" (the default) is our AVX-512 or AVX2 kernel (model/kernels) over weights packed once in
+panels of 32 columns (float32, or bfloat16 for `--weights bfloat16`), called from the step built
+ahead of time through its C shim. At one row it streams
 the weights as fast as inductor's template; at 64 rows it runs ~2x faster than the template,
 about as fast as MKL's sgemm (`linear`'s step at 64 rows 7.6 ms against 14.8 with the template,
 7.9 ms of bare MKL matmuls; `python benchmarks/model_bench.py --step-only --threads 1 --gemm
-inductor own --step-batches 1 4 64`). Where the CPU lacks AVX-512 or the build fails, the step
+inductor own --step-batches 1 4 64`). Where the CPU has neither ISA or the build fails, the step
 runs inductor's template instead, with a log line.
 "inductor" is inductor's own C++ GEMM template over weights it packs at compile
 time (model/compiled.py). It streams the weights at one row about as fast as a GEMV, but its

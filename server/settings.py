@@ -75,9 +75,9 @@ class Settings(BaseSettings):
     # decode step: auto = compiled (inductor) once warm, eager meanwhile and without a C++ compiler;
     # on = the same but a missing compiler is an error; off = eager only (model/compiled.py)
     compile: Literal["auto", "on", "off"] = "auto"
-    # the compiled step's float32 projections (model/gemm.py): own = our AVX-512 kernel
+    # the compiled step's float32 projections (model/gemm.py): own = our AVX-512 / AVX2 kernel
     # (model/kernels), as fast as inductor's template at one row and ~2x faster at 64 (inductor's
-    # where the CPU lacks AVX-512); inductor = its own GEMM template; onednn = oneDNN's matmul,
+    # where the CPU has neither; it also runs --weights bfloat16's projections); inductor = its own GEMM template; onednn = oneDNN's matmul,
     # ~2x faster than the template from 16 rows up, ~2x slower for one (float32 weights only).
     # Each keeps a row's tokens independent of the load
     gemm: Literal["own", "inductor", "onednn"] = "own"
