@@ -5,12 +5,13 @@ The shipped models have 3 M parameters; the Mamba-1 checkpoints people run start
 with random weights through transformers (nothing is downloaded), saves it in the Hugging Face
 layout, loads it the way `linstream serve -m DIR` does (model/hf.py, then the compiled step of
 model/compiled.py, built ahead of time: ~3 minutes on 2 cores the first time, then from the
-cache), writes the same weights as a GGUF for llama.cpp (through llama-cpp-python), f32 and f16,
-and times one token's decode step at batch 1 on one thread each, the systems taking turns round
-by round. It checks that the three compute the same logits, and times linstream's step at larger
+cache), and also with `--weights bfloat16` (our kernel over bfloat16 panels: half the bytes),
+writes the same weights as a GGUF for llama.cpp (through llama-cpp-python), f32 and f16, and
+times one token's decode step at batch 1 on one thread each, the systems taking turns round by
+round. It checks that the three compute the same logits, and times linstream's step at larger
 batches (the engine's batch of sessions) on its own.
 
-    python benchmarks/peers_130m.py --out benchmarks/results/peers_130m     # ~6 minutes on 2 cores
+    python benchmarks/peers_130m.py --out benchmarks/results/peers_130m   # ~10 minutes on 2 cores, the first time
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import peers_hf  # noqa: E402
 import peers_llama  # noqa: E402
 from model import WEIGHTS  # noqa: E402
 from model.compiled import Stepper  # noqa: E402
+from model.generate import prefill  # noqa: E402
 from model.hf import load_checkpoint  # noqa: E402
 from model.timing import state_at, time_steps  # noqa: E402
 
@@ -60,6 +62,29 @@ def best_of_rounds(timers: dict, rounds: int, steps: int) -> dict:
     return {k: {"ms_best_round": round(1000 * min(statistics.median(r) for r in rs), 3),
                 "ms_median": round(1000 * statistics.median([t for r in rs for t in r]), 3)}
             for k, rs in times.items()}
+
+
+def rounded_check(model, step_bf16: Stepper, tok) -> float:
+    """What the bfloat16 panels compute, checked: the compiled bfloat16 step against the float32
+    model with the same projections' weights rounded to bfloat16, stepped eagerly in float32, over
+    the prompt's tokens one by one (the largest logit difference). On random weights the low
+    precisions' own differences from float32 are large (see the README), so this is the check of
+    the kernel itself."""
+    import copy
+
+    from model.lowp import BF16Linear
+    rounded = copy.deepcopy(model)
+    held = {n for n, m in step_bf16.model.named_modules() if isinstance(m, BF16Linear)}
+    for n, m in rounded.named_modules():
+        if n in held:
+            m.weight = torch.nn.Parameter(m.weight.detach().to(torch.bfloat16).float())  # a new one: the tied embedding stays
+    ids = tok.encode(peers.PROMPT)
+    a, b, worst = rounded.init_state(1), step_bf16.model.init_state(1), 0.0
+    for t in ids:
+        la, a = rounded.step(torch.tensor([t]), a)
+        lb, b = step_bf16(torch.tensor([t]), b)
+        worst = max(worst, float((la - lb).abs().max()))
+    return worst
 
 
 def main(argv=None) -> None:
@@ -93,10 +118,15 @@ def run(a, work: Path) -> dict:
     model, tok = load_checkpoint(path)
     model.requires_grad_(False)
     print(f"checkpoint: {path.name}, {model.num_params():,} parameters", flush=True)
-    t0 = time.perf_counter()
-    step = Stepper(model, "auto", background=False)
-    build_s = time.perf_counter() - t0
-    print(f"linstream's step: {step.runtime}, kernels {step.kernels} (ready in {build_s:.0f} s)", flush=True)
+    steps, built = {}, {}
+    for weights in ("float32", "bfloat16"):
+        m = model if weights == "float32" else load_checkpoint(path, weights=weights)[0].requires_grad_(False)
+        t0 = time.perf_counter()
+        steps[weights] = Stepper(m, "auto", background=False)
+        built[weights] = {"runtime": steps[weights].runtime, "kernels": steps[weights].kernels,
+                          "ready_s": round(time.perf_counter() - t0, 1)}
+        print(f"linstream's step, {weights} weights: {json.dumps(built[weights])}", flush=True)
+    step = steps["float32"]
     ggufs = {"f32": work / "m-f32.gguf", "f16": work / "m-f16.gguf"}
     for kind, g in ggufs.items():
         peers_gguf.write_gguf(model, path / "tokenizer.json", g, f16=kind == "f16", eos=tok.vocab_size - 1)
@@ -106,6 +136,7 @@ def run(a, work: Path) -> dict:
     ctx = [random.Random(0).randrange(tok.vocab_size) for _ in range(a.context)]
     st = state_at(model, a.context)
     timers = {"linstream": lambda n: time_steps(step, st, n),
+              "linstream_bf16": lambda n: time_steps(steps["bfloat16"], st, n),
               **{f"llama_cpp_{k}": (lambda n, llm=llm: peers_llama.decode_times(llm, ctx, n)) for k, llm in llms.items()}}
     print(f"decode at batch 1 after {a.context} tokens, one thread, {a.rounds} rounds taking turns ...", flush=True)
     inproc = best_of_rounds(timers, a.rounds, a.steps)
@@ -122,11 +153,18 @@ def run(a, work: Path) -> dict:
         batches[B] = {"ms_per_step": round(ms, 3), "tokens_per_s": round(1000 * B / ms, 1)}
         print(f"  linstream step, {B:3d} rows: {ms:8.2f} ms  {1000 * B / ms:8.1f} tok/s", flush=True)
 
-    agree = {k: peers.agreement(model, llm, hf if k == "f32" else None, tok) for k, llm in llms.items()}
-    print("agreement with linstream: " + json.dumps(agree), flush=True)
+    # the same network in each: linstream float32 against llama.cpp f32 and transformers, llama.cpp
+    # f16 against linstream float32, and linstream's bfloat16 weights against llama.cpp f32; with
+    # the largest logit after the prompt, the scale the differences are read against
+    agree = {"linstream_f32": peers.agreement(model, llms["f32"], hf, tok),
+             "llama_cpp_f16_vs_linstream_f32": peers.agreement(model, llms["f16"], None, tok)["llama_cpp"],
+             "linstream_bf16_vs_llama_cpp_f32": peers.agreement(steps["bfloat16"].model, llms["f32"], None, tok)["llama_cpp"],
+             "largest_logit": round(float(prefill(model, tok.encode(peers.PROMPT), model.init_state(1)).next_logits.abs().max()), 3),
+             "linstream_bf16_compiled_vs_bf16_rounded_f32": rounded_check(model, steps["bfloat16"], tok)}
+    print("agreement: " + json.dumps(agree), flush=True)
     return {"command": "python " + " ".join(sys.argv), "machine": peers.machine(), "versions": peers.versions(),
             "shape": SHAPE, "parameters": model.num_params(), "context": a.context,
-            "linstream_step": {"runtime": step.runtime, "kernels": step.kernels, "ready_s": round(build_s, 1)},
+            "linstream_step": built,
             "in_process_batch_1": inproc, "linstream_batches": batches, "agreement": agree}
 
 
