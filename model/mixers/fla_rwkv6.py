@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import register
+from .. import kernels
 from ..ops.gated_attn import gated_attn_chunked, gated_attn_step
 from ..ops.naive import gated_attn_naive
 from .fla_common import token_shift
@@ -64,6 +65,10 @@ class DDLerp(nn.Module):
 
 
 class TimeMix(nn.Module):
+    # the five mixes' low-rank up-projection, one (D, R) matmul weight per mix inside x_proj[2]'s
+    # weight: the compiled step's own twin (model/gemm.py) packs them for our kernel ("gnk")
+    PACKABLE = {"mix_up": "gnk"}
+
     def __init__(self, cfg):
         super().__init__()
         o, D = cfg.mixer_options, cfg.d_model
@@ -79,11 +84,21 @@ class TimeMix(nn.Module):
         self.g_norm = nn.GroupNorm(self.H, val, eps=cfg.norm_eps)  # weight and bias (val,), as fla's
         self.o_proj = nn.Linear(val, D, bias=False)
 
+    @property
+    def mix_up(self) -> torch.Tensor:
+        """x_proj[2]'s weight (D, 5R) as one (D, R) weight per mix: (5, D, R), a view."""
+        return self.x_proj[2].weight.view(-1, 5, self.R).transpose(0, 1)
+
     def inputs(self, x, d):
         """x, d (B, T, D) -> r, k, g (B, H, T, K), v (B, H, T, V) in float32, and the gate (B, T, val)."""
         B, T, D = x.shape
         low = self.x_proj[1](self.x_proj[0](x, d)).view(B, T, 5, self.R)
-        mu = torch.einsum("btnr,dnr->btnd", low, self.x_proj[2].weight.view(D, 5, self.R)) + self.x_bias
+        packed = getattr(self, "mix_up_packed", None)  # model/gemm.py's own twin: our matmul per mix
+        if packed is None:
+            mu = torch.einsum("btnr,ndr->btnd", low, self.mix_up)
+        else:
+            mu = torch.stack([kernels.linear(low[:, :, n], packed[n], D) for n in range(5)], 2)
+        mu = mu + self.x_bias  # (B, T, 5, D)
         mr, mw, mk, mv, mg = mu.unbind(2)
         r, w, k = self.r_proj(x, mr, d), self.w_proj(x, mw, d), self.k_proj(x, mk, d)
         v, gate = self.v_proj(x, mv, d), self.g_proj(x, mg, d)

@@ -230,19 +230,24 @@ async def test_served_with_sessions_fork_and_restore():
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_rwkv7_compiled_step_equals_eager(tmp_path):
-    """The compiled decode step (model/compiled.py) through RWKV-7's block-to-block carry: its
-    logits and states from a carried state agree with the eager step (one compile, ~70 s here)."""
+@pytest.mark.parametrize("name", ["rwkv7-options", "rwkv6-options"])
+def test_rwkv_compiled_step_equals_eager(name, tmp_path):
+    """The compiled decode step (model/compiled.py), as the server builds it (ahead of time, our
+    matmul where it builds here), through RWKV-7's block-to-block carry and RWKV-6's per-mix
+    up-projection (an einsum over a projection's weight eagerly, our kernel per mix compiled): its
+    logits and states from a carried state agree with the eager step (one compile each, ~40-70 s)."""
     from model.compiled import Stepper, compiler_missing
+    from model.kernels import unavailable
     if compiler_missing() is not None:
         pytest.skip(compiler_missing())
-    model, _ = load_checkpoint(FIXTURES / "rwkv7-options")
-    tokens = load_file(str(FIXTURES / "rwkv7-options" / "reference.safetensors"))["tokens"]
+    model, _ = load_checkpoint(FIXTURES / name)
+    tokens = load_file(str(FIXTURES / name / "reference.safetensors"))["tokens"]
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         stepper = Stepper(model, "on", cache_dir=tmp_path, background=False)
         assert stepper.wait(), "the step did not compile"
+        assert (stepper.kernels, stepper.runtime) == ("own" if unavailable() is None else "packed", "aoti")
         ids = torch.cat([tokens, tokens.flip(1)])  # (2, T)
         _, prefilled = model(ids[:, :20], model.init_state(2))
         a = model.init_state(2)  # pool rows, as the server steps them (contiguous)
