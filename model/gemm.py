@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from . import kernels
-from .lowp import BF16Linear
+from .lowp import BF16Linear, Int8Linear
 
 GEMMS = ("inductor", "onednn", "own")
 REORDER_ROWS = 64  # the row count oneDNN's weight layout is chosen for (any count above 1 gives the same bits)
@@ -90,6 +90,23 @@ class OwnBF16Linear(BF16Linear):
         return kernels.linear(x.float(), self.packed, self.out_features, self.bias)  # (..., N) float32
 
 
+class OwnInt8Linear(Int8Linear):
+    """An Int8Linear (--weights int8) through our kernel over int8 panels: a quarter of float32's
+    bytes, each weight widened exactly as it is loaded and the row's scale applied once its FMA
+    chain is done, the input left in float32. Its qweight is shared with the Int8Linear it
+    stands for; only the panels and a float32 copy of the scales are new."""
+
+    def __init__(self, linear: Int8Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.qweight, self.scale, self.bias = linear.qweight, linear.scale, linear.bias
+        self.register_buffer("packed", kernels.pack(linear.qweight, torch.int8))
+        self.register_buffer("scale_f32", linear.scale.float())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return kernels.linear(x.float(), self.packed, self.out_features, self.bias, self.scale_f32)  # (..., N) float32
+
+
 def packable(m: nn.Module) -> bool:
     """A projection oneDNN's kernel (and ours) can take: a float32 CPU nn.Linear."""
     return type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
@@ -97,7 +114,10 @@ def packable(m: nn.Module) -> bool:
 
 def own_kind(m: nn.Module) -> type[nn.Module] | None:
     """What our kernel runs `m` as, or None where it does not take it."""
-    return OwnLinear if packable(m) else OwnBF16Linear if type(m) is BF16Linear and m.w.device.type == "cpu" else None
+    if packable(m):
+        return OwnLinear
+    low = {BF16Linear: (OwnBF16Linear, "w"), Int8Linear: (OwnInt8Linear, "qweight")}.get(type(m))
+    return low[0] if low and getattr(m, low[1]).device.type == "cpu" else None
 
 
 def twin(model: nn.Module, gemm: str) -> nn.Module:

@@ -35,13 +35,16 @@ from torch import Tensor
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
 NR = 32  # a panel's columns
-FLAGS = ["-O3", "-shared", "-fPIC", "-std=c++17"]
+# -ffp-contract=off: GCC would otherwise fuse an output's scale and bias (a multiply, then an add)
+# into one FMA in some register blocks and not in others, and a row's bits would depend on its block
+FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
 # torch's report of the CPU's vector ISA -> the kernel's build flags (packed_linear.cpp picks its
 # vectors from the macros these set)
 ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 # the declaration AOTInductor's generated code is given for the op (aot_inductor.custom_ops_to_c_shims)
 SHIM = ("AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle packed, "
-        "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)")
+        "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* scale, AtenTensorHandle* ret0)")
+PANEL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -103,8 +106,8 @@ def library() -> Path:
         lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         p, i = ctypes.c_void_p, ctypes.c_int64
         lib.linstream_pack.argtypes = [p, i, i, p]
-        lib.linstream_packed_linear.argtypes = [p, i, i, i, p, i, p, p]
-        lib.linstream_packed_linear_bf16.argtypes = [p, i, i, i, p, i, p, p]
+        for fn in (lib.linstream_packed_linear, lib.linstream_packed_linear_bf16, lib.linstream_packed_linear_int8):
+            fn.argtypes = [p, i, i, i, p, i, p, p, p]
         _lib = lib
         return path
 
@@ -117,9 +120,10 @@ def _loaded() -> ctypes.CDLL:
 
 def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """W (N, K) -> its panels (ceil(N/32), K, 32), the last one padded with zero columns, in `dtype`
-    (float32, or bfloat16: the kernel widens those as it loads them; a bfloat16 W packs exactly)."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"packed_linear holds float32 or bfloat16 panels, not {dtype}")
+    (float32; bfloat16 or int8: the kernel widens those as it loads them; a W already in that dtype
+    packs exactly)."""
+    if dtype not in PANEL_DTYPES:
+        raise ValueError(f"packed_linear holds float32, bfloat16 or int8 panels, not {dtype}")
     w = weight.detach().float().contiguous()
     N, K = w.shape
     p = torch.empty((N + NR - 1) // NR, K, NR)
@@ -128,33 +132,39 @@ def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
 
 
 @torch.library.custom_op("linstream::packed_linear", mutates_args=())
-def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None, n: int) -> Tensor:
-    """x (M, K) @ W.T + bias -> (M, n), W as `pack` left it (float32 or bfloat16 panels)."""
+def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None, n: int, scale: Tensor | None = None) -> Tensor:
+    """(x (M, K) @ W.T) * scale + bias -> (M, n), W as `pack` left it (float32, bfloat16 or int8
+    panels), scale one float32 per output (int8 panels need it)."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or packed.shape[1] != x.shape[1]:
         raise ValueError(f"packed_linear takes dense float32 rows (M, {packed.shape[1]}), not {tuple(x.shape)} "
                          f"{x.dtype} with strides {x.stride()}")
-    if not (packed.shape[0] - 1) * NR < n <= packed.shape[0] * NR or packed.dtype not in (torch.float32, torch.bfloat16) or (
-            bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32)):
-        raise ValueError(f"packed_linear: {n} outputs, panels {tuple(packed.shape)} {packed.dtype} and bias "
-                         f"{None if bias is None else (tuple(bias.shape), bias.dtype)} do not go together")
+    vector = lambda t: t is None or (t.shape == (n,) and t.dtype == torch.float32)  # noqa: E731
+    if not (packed.shape[0] - 1) * NR < n <= packed.shape[0] * NR or packed.dtype not in PANEL_DTYPES or not (
+            vector(bias) and vector(scale)) or (packed.dtype == torch.int8 and scale is None):
+        show = lambda t: None if t is None else (tuple(t.shape), t.dtype)  # noqa: E731
+        raise ValueError(f"packed_linear: {n} outputs, panels {tuple(packed.shape)} {packed.dtype}, bias {show(bias)} "
+                         f"and scale {show(scale)} do not go together")
     M, K = x.shape
     y = x.new_empty(M, n)
-    b = bias.contiguous() if bias is not None else None
-    fn = _loaded().linstream_packed_linear_bf16 if packed.dtype == torch.bfloat16 else _loaded().linstream_packed_linear
-    fn(x.data_ptr(), M, K, x.stride(0), packed.data_ptr(), n, b.data_ptr() if b is not None else None,
-       y.data_ptr())
+    b, s = (t.contiguous() if t is not None else None for t in (bias, scale))
+    lib = _loaded()
+    fn = {torch.float32: lib.linstream_packed_linear, torch.bfloat16: lib.linstream_packed_linear_bf16,
+          torch.int8: lib.linstream_packed_linear_int8}[packed.dtype]
+    fn(x.data_ptr(), M, K, x.stride(0), packed.data_ptr(), n, s.data_ptr() if s is not None else None,
+       b.data_ptr() if b is not None else None, y.data_ptr())
     return y
 
 
 @packed_linear.register_fake
-def _(x: Tensor, packed: Tensor, bias: Tensor | None, n: int) -> Tensor:
+def _(x: Tensor, packed: Tensor, bias: Tensor | None, n: int, scale: Tensor | None = None) -> Tensor:
     return x.new_empty(x.shape[0], n)
 
 
-def linear(x: Tensor, packed: Tensor, n: int, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, packed: Tensor, n: int, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     """x (..., K) -> (..., n) through the op: rows made dense first (a no-op when they are)."""
     lead = x.shape[:-1]
-    return torch.ops.linstream.packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias, n).reshape(*lead, n)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return torch.ops.linstream.packed_linear(rows, packed, bias, n, scale).reshape(*lead, n)
 
 
 def aoti_options() -> dict:

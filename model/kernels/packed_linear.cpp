@@ -12,7 +12,9 @@
 //
 // The panels may also hold bfloat16 weights (--weights bfloat16): each is widened exactly as it is
 // loaded, so the result is float32 weights rounded to bfloat16 multiplied the same way, with half
-// the bytes to stream (what bounds a one-row step of a large model).
+// the bytes to stream (what bounds a one-row step of a large model); or int8 weights (--weights
+// int8), widened exactly, with one scale per output applied once its chain is done: a quarter of
+// the bytes.
 //
 // Entry points over the same code: linstream_packed_linear(_bf16) (raw pointers, for ctypes and
 // the eager op) and aoti_torch_cpu_packed_linear, the C shim AOTInductor's generated step calls for
@@ -36,7 +38,11 @@ inline vec load(const float *p) { return _mm512_loadu_ps(p); }
 inline vec load(const uint16_t *p) {  // 16 bfloat16 -> float32, exactly: the 16 bits become the top half
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+inline vec load(const int8_t *p) {  // 16 int8 -> float32, exactly
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 inline vec splat(float a) { return _mm512_set1_ps(a); }
+inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline __mmask16 first(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
@@ -50,7 +56,11 @@ inline vec load(const float *p) { return _mm256_loadu_ps(p); }
 inline vec load(const uint16_t *p) {  // 8 bfloat16 -> float32, exactly
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+inline vec load(const int8_t *p) {  // 8 int8 -> float32, exactly
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 inline vec splat(float a) { return _mm256_set1_ps(a); }
+inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline __m256i first(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
@@ -66,8 +76,8 @@ inline void store_first(float *p, vec v, int n) {
 constexpr int NV = NR / LANES;  // vectors in a panel's row
 
 template <int MR, int NP, typename W>
-inline void block(const float *x, int64_t ldx, const W *p, int64_t K, const float *bias, float *y, int64_t ldy,
-                  int64_t cols) {
+inline void block(const float *x, int64_t ldx, const W *p, int64_t K, const float *scale, const float *bias, float *y,
+                  int64_t ldy, int64_t cols) {
     // MR rows x NP panels; `cols` = valid columns in the last panel (32 unless it is the matrix's last)
     vec acc[MR][NP][NV];
     for (int i = 0; i < MR; i++)
@@ -88,9 +98,12 @@ inline void block(const float *x, int64_t ldx, const W *p, int64_t K, const floa
         int64_t c = j == NP - 1 ? cols : NR;  // only the last panel of a call can be short
         for (int v = 0; v < NV; v++) {
             int n = (int)(c - v * LANES < 0 ? 0 : c - v * LANES > LANES ? LANES : c - v * LANES);
+            vec sv = scale ? load_first(scale + j * NR + v * LANES, n) : zero();
             vec bv = bias ? load_first(bias + j * NR + v * LANES, n) : zero();
-            for (int i = 0; i < MR; i++)
-                store_first(y + i * ldy + j * NR + v * LANES, bias ? add(acc[i][j][v], bv) : acc[i][j][v], n);
+            for (int i = 0; i < MR; i++) {
+                vec out = scale ? mul(acc[i][j][v], sv) : acc[i][j][v];
+                store_first(y + i * ldy + j * NR + v * LANES, bias ? add(out, bv) : out, n);
+            }
         }
     }
 }
@@ -98,41 +111,45 @@ inline void block(const float *x, int64_t ldx, const W *p, int64_t K, const floa
 // rows x (MR of them) against panels j0..j1-1 of the weights, NP panels at a time, then one at a time
 template <int MR, int NP, typename W>
 inline void rows(const float *x, int64_t ldx, const W *p, int64_t K, int64_t N, int64_t j0, int64_t j1,
-                 const float *bias, float *y) {
+                 const float *scale, const float *bias, float *y) {
     const int64_t panels = (N + NR - 1) / NR;
     int64_t j = j0;
     for (; j + NP <= j1; j += NP) {
         int64_t cols = j + NP == panels ? N - (panels - 1) * NR : NR;
-        block<MR, NP>(x, ldx, p + j * K * NR, K, bias ? bias + j * NR : nullptr, y + j * NR, N, cols);
+        block<MR, NP>(x, ldx, p + j * K * NR, K, scale ? scale + j * NR : nullptr, bias ? bias + j * NR : nullptr,
+                      y + j * NR, N, cols);
     }
     for (; j < j1; j++) {
         int64_t cols = j + 1 == panels ? N - j * NR : NR;
-        block<MR, 1>(x, ldx, p + j * K * NR, K, bias ? bias + j * NR : nullptr, y + j * NR, N, cols);
+        block<MR, 1>(x, ldx, p + j * K * NR, K, scale ? scale + j * NR : nullptr, bias ? bias + j * NR : nullptr,
+                     y + j * NR, N, cols);
     }
 }
 
 constexpr int64_t GROUP = 8;  // panels whose weights (8 x K x 32 floats) stay in L2 while every row passes
 
-// y = x . W^T (+ b) over panels of float32 or of bfloat16 (widened exactly as they are loaded: the
-// same FMA chains as float32 weights that were rounded to bfloat16, half the bytes to stream)
+// y = (x . W^T) * scale (+ b) over panels of float32, bfloat16 or int8, each weight widened exactly
+// as it is loaded (bfloat16: the same FMA chains as float32 weights rounded to bfloat16, half the
+// bytes to stream; int8: a quarter, one scale per output applied once the chain is done). scale
+// may be null (no scaling), as may bias.
 template <typename W>
-void packed_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const W *p, int64_t N, const float *bias,
-                   float *y) {
+void packed_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const W *p, int64_t N, const float *scale,
+                   const float *bias, float *y) {
     // the largest row blocks share each panel's loads; fewer rows walk several panels at once instead
     const int64_t panels = (N + NR - 1) / NR;
     for (int64_t j0 = 0; j0 < panels; j0 += GROUP) {
         const int64_t j1 = j0 + GROUP < panels ? j0 + GROUP : panels;
         int64_t i = 0;
 #if defined(__AVX512F__)  // 32 registers: up to 24 accumulators
-        for (; i + 12 <= M; i += 12) rows<12, 1>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
-        for (; i + 8 <= M; i += 8) rows<8, 1>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
-        for (; i + 4 <= M; i += 4) rows<4, 2>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
-        for (; i + 2 <= M; i += 2) rows<2, 4>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
-        for (; i < M; i++) rows<1, 8>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
+        for (; i + 12 <= M; i += 12) rows<12, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
+        for (; i + 8 <= M; i += 8) rows<8, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
+        for (; i + 4 <= M; i += 4) rows<4, 2>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
+        for (; i + 2 <= M; i += 2) rows<2, 4>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
+        for (; i < M; i++) rows<1, 8>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
 #else  // 16 registers: 12 accumulators, the panel's four vectors and the broadcast row value
-        for (; i + 3 <= M; i += 3) rows<3, 1>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
-        for (; i + 2 <= M; i += 2) rows<2, 1>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
-        for (; i < M; i++) rows<1, 2>(x + i * ldx, ldx, p, K, N, j0, j1, bias, y + i * N);
+        for (; i + 3 <= M; i += 3) rows<3, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
+        for (; i + 2 <= M; i += 2) rows<2, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
+        for (; i < M; i++) rows<1, 2>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
 #endif
     }
 }
@@ -153,38 +170,47 @@ void linstream_pack(const float *w, int64_t N, int64_t K, float *p) {
 }
 
 void linstream_packed_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const float *p, int64_t N,
-                             const float *bias, float *y) {
-    packed_linear(x, M, K, ldx, p, N, bias, y);
+                             const float *scale, const float *bias, float *y) {
+    packed_linear(x, M, K, ldx, p, N, scale, bias, y);
 }
 
 void linstream_packed_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *p, int64_t N,
-                                  const float *bias, float *y) {
-    packed_linear(x, M, K, ldx, p, N, bias, y);
+                                  const float *scale, const float *bias, float *y) {
+    packed_linear(x, M, K, ldx, p, N, scale, bias, y);
 }
 
-// The C shim for torch.ops.linstream.packed_linear(x (M, K), packed, bias?, n) -> (M, n), as
-// AOTInductor's generated code calls a custom op listed in aot_inductor.custom_ops_to_c_shims;
-// `packed` is float32 or bfloat16.
+void linstream_packed_linear_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *p, int64_t N,
+                                  const float *scale, const float *bias, float *y) {
+    packed_linear(x, M, K, ldx, p, N, scale, bias, y);
+}
+
+// The C shim for torch.ops.linstream.packed_linear(x (M, K), packed, bias?, n, scale?) -> (M, n),
+// as AOTInductor's generated code calls a custom op listed in aot_inductor.custom_ops_to_c_shims;
+// `packed` is float32, bfloat16 or int8.
 AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle packed, AtenTensorHandle *bias,
-                                            int64_t n, AtenTensorHandle *ret0) {
+                                            int64_t n, AtenTensorHandle *scale, AtenTensorHandle *ret0) {
     int64_t *sizes, *strides;
     if (aoti_torch_get_sizes(x, &sizes) || aoti_torch_get_strides(x, &strides)) return 1;
     const int64_t M = sizes[0], K = sizes[1], ldx = strides[0];
     if (strides[1] != 1 && K > 1) return 1;  // the op's callers hand it dense rows (OwnLinear)
     int32_t dtype;
-    void *xp, *pp, *bp = nullptr, *yp;
+    void *xp, *pp, *bp = nullptr, *sp = nullptr, *yp;
     if (aoti_torch_get_data_ptr(x, &xp) || aoti_torch_get_data_ptr(packed, &pp)) return 1;
     if (aoti_torch_get_dtype(packed, &dtype)) return 1;
     if (bias && *bias && aoti_torch_get_data_ptr(*bias, &bp)) return 1;
+    if (scale && *scale && aoti_torch_get_data_ptr(*scale, &sp)) return 1;
     const int64_t out_sizes[2] = {M, n}, out_strides[2] = {n, 1};
     if (aoti_torch_empty_strided(2, out_sizes, out_strides, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0,
                                  ret0))
         return 1;
     if (aoti_torch_get_data_ptr(*ret0, &yp)) return 1;
+    const float *xf = (const float *)xp, *sf = (const float *)sp, *bf = (const float *)bp;
     if (dtype == aoti_torch_dtype_bfloat16())
-        packed_linear((const float *)xp, M, K, ldx, (const uint16_t *)pp, n, (const float *)bp, (float *)yp);
+        packed_linear(xf, M, K, ldx, (const uint16_t *)pp, n, sf, bf, (float *)yp);
+    else if (dtype == aoti_torch_dtype_int8())
+        packed_linear(xf, M, K, ldx, (const int8_t *)pp, n, sf, bf, (float *)yp);
     else
-        packed_linear((const float *)xp, M, K, ldx, (const float *)pp, n, (const float *)bp, (float *)yp);
+        packed_linear(xf, M, K, ldx, (const float *)pp, n, sf, bf, (float *)yp);
     return 0;
 }
 

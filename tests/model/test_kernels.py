@@ -1,5 +1,5 @@
 """Our float32 matmul (model/kernels): torch.ops.linstream.packed_linear against F.linear, over
-float32 or bfloat16 panels, and a row's bits independent of the rows beside it, the property the
+float32, bfloat16 or int8 panels, and a row's bits independent of the rows beside it, the property the
 compiled step's batch invariance rests on. The suite runs whichever build this CPU takes (AVX-512
 or AVX2)."""
 import pytest
@@ -14,23 +14,35 @@ pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"the kernel c
 SHAPES = [(256, 768), (512, 256), (256, 2048), (512, 32), (16, 512), (100, 37), (7, 65), (1, 1), (33, 1)]
 
 
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.int8]
+
+
+def weights(N: int, K: int, dtype: torch.dtype, g: torch.Generator):
+    """Panels in `dtype`, their per-output scale (int8 only) and the float32 weight they stand for."""
+    if dtype == torch.int8:
+        q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+        scale = torch.rand(N, generator=g) / 64 + 1e-3
+        return pack(q, dtype), scale, q.float() * scale[:, None]
+    w = torch.randn(N, K, generator=g)
+    return pack(w, dtype), None, w.to(dtype).float()
 
 
 @pytest.mark.parametrize("K,N", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_f_linear(K, N, bias, dtype):
-    """bfloat16 panels compute what float32 weights rounded to bfloat16 do (inputs stay float32)."""
+    """bfloat16 panels compute what float32 weights rounded to bfloat16 do, int8 panels what their
+    dequantized weights do (inputs stay float32)."""
     g = torch.Generator().manual_seed(K * 1000 + N)
-    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g) if bias else None
-    p = pack(w, dtype)
+    p, scale, w = weights(N, K, dtype, g)
+    b = torch.randn(N, generator=g) if bias else None
     assert p.shape == ((N + NR - 1) // NR, K, NR) and p.dtype == dtype
     for M in (1, 2, 3, 4, 5, 12, 13, 64, 70):
         x = torch.randn(M, K, generator=g)
-        y = torch.ops.linstream.packed_linear(x, p, b, N)
+        y = torch.ops.linstream.packed_linear(x, p, b, N, scale)
         assert y.shape == (M, N) and y.dtype == torch.float32
-        torch.testing.assert_close(y, F.linear(x, w.to(dtype).float(), b), atol=1e-4 * K ** 0.5, rtol=1e-5)
+        atol = 1e-4 * K ** 0.5 * (float(w.abs().max()) if dtype == torch.int8 else 1)
+        torch.testing.assert_close(y, F.linear(x, w, b), atol=atol, rtol=1e-5)
 
 
 def test_bfloat16_panels_hold_a_bfloat16_weight_exactly():
@@ -38,8 +50,12 @@ def test_bfloat16_panels_hold_a_bfloat16_weight_exactly():
     p = pack(w, torch.bfloat16)
     assert torch.equal(p.permute(0, 2, 1).reshape(-1, 48)[:70], w)  # panel q, column j = output row 32q + j
     assert torch.equal(p.permute(0, 2, 1).reshape(-1, 48)[70:].float(), torch.zeros(26, 48))
-    with pytest.raises(ValueError, match="float32 or bfloat16 panels"):
+    with pytest.raises(ValueError, match="bfloat16 or int8 panels"):
         pack(w, torch.float16)
+    q = torch.randint(-127, 128, (40, 16), dtype=torch.int8)
+    assert torch.equal(pack(q, torch.int8).permute(0, 2, 1).reshape(-1, 16)[:40], q)
+    with pytest.raises(ValueError, match="do not go together"):  # int8 panels need their scales
+        torch.ops.linstream.packed_linear(torch.randn(2, 16), pack(q, torch.int8), None, 40)
 
 
 @pytest.mark.parametrize("K,N", SHAPES)
@@ -48,12 +64,12 @@ def test_a_rows_bits_do_not_depend_on_its_batch(K, N, dtype):
     """Every output is one FMA chain over k from zero and then its bias, whichever register block
     (12, 8, 4, 2 or 1 rows with AVX-512; 3, 2 or 1 with AVX2) its row falls in."""
     g = torch.Generator().manual_seed(N)
-    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
-    p = pack(w, dtype)
+    p, scale, _ = weights(N, K, dtype, g)
+    b = torch.randn(N, generator=g)
     x = torch.randn(70, K, generator=g)
-    full = torch.ops.linstream.packed_linear(x, p, b, N)
+    full = torch.ops.linstream.packed_linear(x, p, b, N, scale)
     for rows in ([0], [69], [5, 6, 7], list(range(13)), list(range(1, 64)), [3, 60, 1, 30, 31], list(range(8, 70))):
-        assert torch.equal(torch.ops.linstream.packed_linear(x[rows].contiguous(), p, b, N), full[rows]), rows
+        assert torch.equal(torch.ops.linstream.packed_linear(x[rows].contiguous(), p, b, N, scale), full[rows]), rows
 
 
 def test_strided_rows_and_bad_inputs():
