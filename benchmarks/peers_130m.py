@@ -5,8 +5,9 @@ The shipped models have 3 M parameters; the Mamba-1 checkpoints people run start
 with random weights through transformers (nothing is downloaded), saves it in the Hugging Face
 layout, loads it the way `linstream serve -m DIR` does (model/hf.py, then the compiled step of
 model/compiled.py, built ahead of time: ~3 minutes on 2 cores the first time, then from the
-cache), and also with `--weights bfloat16` (our kernel over bfloat16 panels: half the bytes),
-writes the same weights as a GGUF for llama.cpp (through llama-cpp-python), f32 and f16, and
+cache), and also with `--weights bfloat16` and `--weights int8` (our kernel over bfloat16 or int8
+panels: half or a quarter of the bytes), writes the same weights as a GGUF for llama.cpp (through
+llama-cpp-python), f32, f16 and Q8_0, and
 times one token's decode step at batch 1 on one thread each, the systems taking turns round by
 round. It checks that the three compute the same logits, and times linstream's step at larger
 batches (the engine's batch of sessions) on its own.
@@ -64,25 +65,25 @@ def best_of_rounds(timers: dict, rounds: int, steps: int) -> dict:
             for k, rs in times.items()}
 
 
-def rounded_check(model, step_bf16: Stepper, tok) -> float:
-    """What the bfloat16 panels compute, checked: the compiled bfloat16 step against the float32
-    model with the same projections' weights rounded to bfloat16, stepped eagerly in float32, over
-    the prompt's tokens one by one (the largest logit difference). On random weights the low
-    precisions' own differences from float32 are large (see the README), so this is the check of
-    the kernel itself."""
+def rounded_check(model, step_low: Stepper, tok) -> float:
+    """What the bfloat16 or int8 panels compute, checked: the compiled low-precision step against
+    the float32 model holding the same projections' weights as they are rounded (bfloat16) or
+    dequantized (int8), stepped eagerly in float32, over the prompt's tokens one by one (the
+    largest logit difference). On random weights the low precisions' own differences from float32
+    are large (see the README), so this is the check of the kernels themselves."""
     import copy
 
-    from model.lowp import BF16Linear
+    from model.lowp import BF16Linear, Int8Linear
     rounded = copy.deepcopy(model)
-    held = {n for n, m in step_bf16.model.named_modules() if isinstance(m, BF16Linear)}
+    held = {n: m.weight for n, m in step_low.model.named_modules() if isinstance(m, (BF16Linear, Int8Linear))}
     for n, m in rounded.named_modules():
         if n in held:
-            m.weight = torch.nn.Parameter(m.weight.detach().to(torch.bfloat16).float())  # a new one: the tied embedding stays
+            m.weight = torch.nn.Parameter(held[n])  # a new one: the tied embedding stays
     ids = tok.encode(peers.PROMPT)
-    a, b, worst = rounded.init_state(1), step_bf16.model.init_state(1), 0.0
+    a, b, worst = rounded.init_state(1), step_low.model.init_state(1), 0.0
     for t in ids:
         la, a = rounded.step(torch.tensor([t]), a)
-        lb, b = step_bf16(torch.tensor([t]), b)
+        lb, b = step_low(torch.tensor([t]), b)
         worst = max(worst, float((la - lb).abs().max()))
     return worst
 
@@ -119,7 +120,7 @@ def run(a, work: Path) -> dict:
     model.requires_grad_(False)
     print(f"checkpoint: {path.name}, {model.num_params():,} parameters", flush=True)
     steps, built = {}, {}
-    for weights in ("float32", "bfloat16"):
+    for weights in ("float32", "bfloat16", "int8"):
         m = model if weights == "float32" else load_checkpoint(path, weights=weights)[0].requires_grad_(False)
         t0 = time.perf_counter()
         steps[weights] = Stepper(m, "auto", background=False)
@@ -127,9 +128,9 @@ def run(a, work: Path) -> dict:
                           "ready_s": round(time.perf_counter() - t0, 1)}
         print(f"linstream's step, {weights} weights: {json.dumps(built[weights])}", flush=True)
     step = steps["float32"]
-    ggufs = {"f32": work / "m-f32.gguf", "f16": work / "m-f16.gguf"}
+    ggufs = {kind: work / f"m-{kind}.gguf" for kind in peers_gguf.KINDS}
     for kind, g in ggufs.items():
-        peers_gguf.write_gguf(model, path / "tokenizer.json", g, f16=kind == "f16", eos=tok.vocab_size - 1)
+        peers_gguf.write_gguf(model, path / "tokenizer.json", g, kind, eos=tok.vocab_size - 1)
     llms = {kind: peers_llama.load(g) for kind, g in ggufs.items()}
     hf = MambaForCausalLM.from_pretrained(path).eval()
 
@@ -137,6 +138,7 @@ def run(a, work: Path) -> dict:
     st = state_at(model, a.context)
     timers = {"linstream": lambda n: time_steps(step, st, n),
               "linstream_bf16": lambda n: time_steps(steps["bfloat16"], st, n),
+              "linstream_int8": lambda n: time_steps(steps["int8"], st, n),
               **{f"llama_cpp_{k}": (lambda n, llm=llm: peers_llama.decode_times(llm, ctx, n)) for k, llm in llms.items()}}
     print(f"decode at batch 1 after {a.context} tokens, one thread, {a.rounds} rounds taking turns ...", flush=True)
     inproc = best_of_rounds(timers, a.rounds, a.steps)
@@ -160,7 +162,10 @@ def run(a, work: Path) -> dict:
              "llama_cpp_f16_vs_linstream_f32": peers.agreement(model, llms["f16"], None, tok)["llama_cpp"],
              "linstream_bf16_vs_llama_cpp_f32": peers.agreement(steps["bfloat16"].model, llms["f32"], None, tok)["llama_cpp"],
              "largest_logit": round(float(prefill(model, tok.encode(peers.PROMPT), model.init_state(1)).next_logits.abs().max()), 3),
-             "linstream_bf16_compiled_vs_bf16_rounded_f32": rounded_check(model, steps["bfloat16"], tok)}
+             "llama_cpp_q8_0_vs_linstream_f32": peers.agreement(model, llms["q8_0"], None, tok)["llama_cpp"],
+             "linstream_int8_vs_llama_cpp_f32": peers.agreement(steps["int8"].model, llms["f32"], None, tok)["llama_cpp"],
+             "linstream_bf16_compiled_vs_bf16_rounded_f32": rounded_check(model, steps["bfloat16"], tok),
+             "linstream_int8_compiled_vs_dequantized_f32": rounded_check(model, steps["int8"], tok)}
     print("agreement: " + json.dumps(agree), flush=True)
     return {"command": "python " + " ".join(sys.argv), "machine": peers.machine(), "versions": peers.versions(),
             "shape": SHAPE, "parameters": model.num_params(), "context": a.context,

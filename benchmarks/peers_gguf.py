@@ -42,34 +42,45 @@ def twin_model(seed: int = 0, weights: Path = MAMBA) -> LM:
     return LM(twin_config(weights)).eval()
 
 
-def _tensors(lm: LM, f16: bool = False):
-    """(GGUF name, array) for every weight, in llama.cpp's names. GGUF lists dimensions innermost
-    first, so a torch (out, in) matrix is stored as it lies and read as {in, out}. With `f16`, the
-    embedding and the projections (what llama.cpp's own converter writes as f16) are float16; the
-    norms, the convolution, A, D and the biases stay float32, as llama.cpp wants them."""
+KINDS = ("f32", "f16", "q8_0")  # the projections' types a GGUF here is written with
+
+
+def _tensors(lm: LM, kind: str = "f32"):
+    """(GGUF name, array, quantization type or None) for every weight, in llama.cpp's names. GGUF
+    lists dimensions innermost first, so a torch (out, in) matrix is stored as it lies and read as
+    {in, out}. With "f16" or "q8_0", the embedding and the projections (what llama.cpp's own
+    converter writes in the file's type) are float16, or Q8_0 blocks of 32 (a projection whose
+    input width is not a multiple of 32 stays float16); the norms, the convolution, A, D and the
+    biases stay float32, as llama.cpp wants them."""
     import gguf
+    from gguf import quants
     T, names = gguf.MODEL_TENSOR, gguf.TENSOR_NAMES
     f32 = lambda t: t.detach().float().contiguous().numpy()  # noqa: E731
-    mat = (lambda t: f32(t).astype(np.float16)) if f16 else f32  # noqa: E731
-    yield names[T.TOKEN_EMBD] + ".weight", mat(lm.embed.weight)  # (V, D); also the tied output head
-    yield names[T.OUTPUT_NORM] + ".weight", f32(lm.norm.weight)
+
+    def mat(t):
+        if kind == "q8_0" and t.shape[1] % 32 == 0:
+            return quants.quantize(f32(t), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+        return (f32(t) if kind == "f32" else f32(t).astype(np.float16)), None
+    f32q = lambda t: (f32(t), None)  # noqa: E731
+    yield names[T.TOKEN_EMBD] + ".weight", *mat(lm.embed.weight)  # (V, D); also the tied output head
+    yield names[T.OUTPUT_NORM] + ".weight", *f32q(lm.norm.weight)
     for i, block in enumerate(lm.blocks):
         m, n = block.mixer, lambda t: names[t].format(bid=i)  # noqa: E731
-        yield n(T.ATTN_NORM) + ".weight", f32(block.norm1.weight)
-        yield n(T.SSM_IN) + ".weight", mat(m.in_proj.weight)  # (2E, D): x then z, as linstream splits
-        yield n(T.SSM_CONV1D) + ".weight", f32(m.conv1d.weight[:, 0])  # (E, W), oldest tap first
-        yield n(T.SSM_CONV1D) + ".bias", f32(m.conv1d.bias)
-        yield n(T.SSM_X) + ".weight", mat(m.x_proj.weight)  # (R + 2N, E): dt, B, C
-        yield n(T.SSM_DT) + ".weight", mat(m.dt_proj.weight)
-        yield n(T.SSM_DT) + ".bias", f32(m.dt_proj.bias)
-        yield n(T.SSM_A), f32(-torch.exp(m.A_log))  # llama.cpp stores A itself, not log(-A)
-        yield n(T.SSM_D), f32(m.D)
-        yield n(T.SSM_OUT) + ".weight", mat(m.out_proj.weight)
+        yield n(T.ATTN_NORM) + ".weight", *f32q(block.norm1.weight)
+        yield n(T.SSM_IN) + ".weight", *mat(m.in_proj.weight)  # (2E, D): x then z, as linstream splits
+        yield n(T.SSM_CONV1D) + ".weight", *f32q(m.conv1d.weight[:, 0])  # (E, W), oldest tap first
+        yield n(T.SSM_CONV1D) + ".bias", *f32q(m.conv1d.bias)
+        yield n(T.SSM_X) + ".weight", *mat(m.x_proj.weight)  # (R + 2N, E): dt, B, C
+        yield n(T.SSM_DT) + ".weight", *mat(m.dt_proj.weight)
+        yield n(T.SSM_DT) + ".bias", *f32q(m.dt_proj.bias)
+        yield n(T.SSM_A), *f32q(-torch.exp(m.A_log))  # llama.cpp stores A itself, not log(-A)
+        yield n(T.SSM_D), *f32q(m.D)
+        yield n(T.SSM_OUT) + ".weight", *mat(m.out_proj.weight)
 
 
-def write_gguf(lm: LM, tokenizer_json: Path, out: Path, f16: bool = False, eos: int = EOS) -> Path:
+def write_gguf(lm: LM, tokenizer_json: Path, out: Path, kind: str = "f32", eos: int = EOS) -> Path:
     """Write `lm` (a mixer-only Mamba LM) and the BPE tokenizer as a GGUF file, f32 (or its
-    projections f16). A tokenizer with fewer ids than the model's vocabulary (a published shape's
+    projections f16 or Q8_0: KINDS). A tokenizer with fewer ids than the model's vocabulary (a published shape's
     50,280 rows beside linstream's 2,048 tokens) is padded with unused tokens, as published
     checkpoints pad their embeddings."""
     import gguf
@@ -102,7 +113,8 @@ def write_gguf(lm: LM, tokenizer_json: Path, out: Path, f16: bool = False, eos: 
     w.add_ssm_time_step_rank(cfg.dt_rank)
     w.add_ssm_dt_b_c_rms(False)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
+    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
     w.add_token_list(tokens)
@@ -112,8 +124,8 @@ def write_gguf(lm: LM, tokenizer_json: Path, out: Path, f16: bool = False, eos: 
     w.add_eos_token_id(eos)
     w.add_add_bos_token(False)
     w.add_add_eos_token(False)
-    for name, arr in _tensors(lm, f16):
-        w.add_tensor(name, np.ascontiguousarray(arr))
+    for name, arr, qtype in _tensors(lm, kind):
+        w.add_tensor(name, np.ascontiguousarray(arr), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
