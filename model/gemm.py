@@ -3,8 +3,8 @@
     twin = twin(model, "own")     # shares every tensor with `model`; its nn.Linear run our kernel
 
 "own" (the default) is our AVX-512 or AVX2 kernel (model/kernels) over weights packed once in
-panels of 32 columns (float32, or bfloat16 for `--weights bfloat16`), called from the step built
-ahead of time through its C shim. At one row it streams
+panels of 32 columns (float32, or bfloat16 / int8 for `--weights bfloat16 / int8`), called from
+the step built ahead of time through its C shim. At one row it streams
 the weights as fast as inductor's template; at 64 rows it runs ~2x faster than the template,
 about as fast as MKL's sgemm (`linear`'s step at 64 rows 7.6 ms against 14.8 with the template,
 7.9 ms of bare MKL matmuls; `python benchmarks/model_bench.py --step-only --threads 1 --gemm
@@ -122,8 +122,8 @@ def own_kind(m: nn.Module) -> type[nn.Module] | None:
 
 def twin(model: nn.Module, gemm: str) -> nn.Module:
     """A copy of `model` whose float32 CPU nn.Linear run OneDnnLinear ("onednn") or OwnLinear
-    ("own"); every parameter and buffer is shared with `model` (only the packed weights are new:
-    one more copy of the projections)."""
+    ("own", which also takes BF16Linear and Int8Linear: own_kind); every parameter and buffer is
+    shared with `model` (only the packed weights are new: one more copy of the projections)."""
     kind = {"onednn": lambda m: OneDnnLinear if packable(m) else None, "own": own_kind}[gemm]
     memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
     copied = copy.deepcopy(model, memo)
