@@ -9,7 +9,8 @@ weights through torch.mm, oneDNN's linear on prepacked float32 / bfloat16 weight
 weight-only kernel with float32 and with bfloat16 inputs, and its int4 kernel (group 32, timing
 only). Every kernel's time is the best of interleaved rounds, so the ratios come from one run.
 Part 2, the compiled decode step (model/compiled.py, built ahead of time: model/aot.py, with the
-default kernels: our own over float32, bfloat16 or int8 panels where it builds, else inductor's) with float32, bfloat16 and int8 projections (model/lowp.py `--weights`):
+default kernels: our own over float32, bfloat16 or int8 panels where it builds, else inductor's)
+with float32, bfloat16 and int8 projections (model/lowp.py `--weights`):
 ms per token at batch 1 and 64; with --bpb, each model's held-out bits per byte for the three.
 """
 from __future__ import annotations

@@ -7,9 +7,8 @@ layout, loads it the way `linstream serve -m DIR` does (model/hf.py, then the co
 model/compiled.py, built ahead of time: ~3 minutes on 2 cores the first time, then from the
 cache), and also with `--weights bfloat16` and `--weights int8` (our kernel over bfloat16 or int8
 panels: half or a quarter of the bytes), writes the same weights as a GGUF for llama.cpp (through
-llama-cpp-python), f32, f16 and Q8_0, and
-times one token's decode step at batch 1 on one thread each, the systems taking turns round by
-round. It checks that the three compute the same logits, and times linstream's step at larger
+llama-cpp-python), f32, f16 and Q8_0, and times one token's decode step at batch 1 on one thread
+each, the systems taking turns round by round. It checks that the three compute the same logits, and times linstream's step at larger
 batches (the engine's batch of sessions) on its own.
 
     python benchmarks/peers_130m.py --out benchmarks/results/peers_130m   # ~10 minutes on 2 cores, the first time

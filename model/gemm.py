@@ -116,8 +116,11 @@ def own_kind(m: nn.Module) -> type[nn.Module] | None:
     """What our kernel runs `m` as, or None where it does not take it."""
     if packable(m):
         return OwnLinear
-    low = {BF16Linear: (OwnBF16Linear, "w"), Int8Linear: (OwnInt8Linear, "qweight")}.get(type(m))
-    return low[0] if low and getattr(m, low[1]).device.type == "cpu" else None
+    if type(m) is BF16Linear and m.w.device.type == "cpu":
+        return OwnBF16Linear
+    if type(m) is Int8Linear and m.qweight.device.type == "cpu":
+        return OwnInt8Linear
+    return None
 
 
 def twin(model: nn.Module, gemm: str) -> nn.Module:
