@@ -36,11 +36,11 @@ def over_http(c: Client, model: str, n: int, m: int, vocab: int) -> dict:
 
 
 def in_process(weights: Path, model_name: str, n: int, m: int, compiled: bool = False) -> dict:
-    """The same checkpoint stepped directly: with the compiled step (model/compiled.py) when
+    """The same checkpoint stepped directly: with the compiled step (model/compiled/stepper.py) when
     `compiled` (as the server steps it), else eagerly (LM.step)."""
-    from model.compiled import Stepper
-    from model.hf import load_checkpoint
-    from model.timing import state_at, time_steps
+    from linstream.model.compiled import Stepper
+    from linstream.model.hf import load_checkpoint
+    from linstream.model.timing import state_at, time_steps
     if model_name not in _cache:  # linstream's own checkpoints or imported (HF-format) ones alike
         lm = load_checkpoint(weights / model_name)[0]
         _cache[model_name] = lm, (Stepper(lm, "on", background=False) if compiled else None)
@@ -63,13 +63,13 @@ def hf_mamba(m: int, n: int = 128) -> dict | None:
                       conv_kernel=4, time_step_rank=16, use_cache=True)
     lm = MambaForCausalLM(cfg).eval()
     ids = torch.randint(0, 2048, (1, n))
-    from model.timing import generate_ms_per_token
+    from linstream.model.timing import generate_ms_per_token
     return {"context": n, "ms_per_token": generate_ms_per_token(lm, ids, m),
             "parameters": sum(p.numel() for p in lm.parameters())}
 
 
 def run(url, models, contexts, m, do_in_process, do_hf, threads, out, weights=None):
-    from model import WEIGHTS
+    from linstream.model import WEIGHTS
     weights = Path(weights) if weights else WEIGHTS
     torch.set_num_threads(threads)
     c = Client(url, timeout=600)

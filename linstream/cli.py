@@ -7,20 +7,20 @@ from typing import Annotated, Optional
 
 import typer
 
-from clients.cli import app
-from clients.cli import main as _run
+from linstream.clients.cli import app
+from linstream.clients.cli import main as _run
 
 
 def _default(name: str) -> str:
     """A server setting's default, as `serve --help` shows it (the Settings class holds it)."""
-    from server.settings import Settings
+    from linstream.server.core.settings import Settings
     f = Settings.model_fields[name]
     value = f.default_factory() if f.default_factory else f.default
     return f"(default {', '.join(value) if isinstance(value, list) else value}; env LINSTREAM_{name.upper()})"
 
 
 def _shipped() -> str:
-    from model import WEIGHTS
+    from linstream.model import WEIGHTS
     return ", ".join(sorted(p.name for p in WEIGHTS.iterdir() if (p / "config.json").exists())) or "none"
 
 
@@ -86,17 +86,17 @@ def serve(
         raise typer.BadParameter("use own, inductor or onednn", param_hint="--gemm")
     if step_runtime not in (None, "aoti", "dynamo"):
         raise typer.BadParameter("use aoti or dynamo", param_hint="--step-runtime")
-    import uvicorn
-
     import logging
+
+    import uvicorn
     handler = logging.StreamHandler()  # the server's own lines (the compile's progress) beside uvicorn's
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
     logging.getLogger("linstream").addHandler(handler)
     logging.getLogger("linstream").setLevel(log_level.upper())
 
-    from server.app import create_app
-    from server.connections import fd_headroom, protocol
-    from server.settings import Settings
+    from linstream.server.api.connections import fd_headroom, protocol
+    from linstream.server.app import create_app
+    from linstream.server.core.settings import Settings
     given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
              "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl,
              "max_connections": max_connections, "names": name, "device": device, "dtype": dtype, "weights": weights,
@@ -143,7 +143,7 @@ def banner(rt, settings) -> str:
 
 def _reexec_with_jemalloc(required: bool):
     """Run this same command again with libjemalloc preloaded: an allocator cannot be swapped
-    once the process has started, and glibc's keeps freed decode buffers (README "Soak").
+    once the process has started, and glibc's keeps freed decode buffers (server/core/heap.py says why).
     Without the library: an error if it was asked for by name, else go on with glibc's."""
     import ctypes.util
     import os

@@ -6,7 +6,7 @@
     prefill_by_steps(step, tokens, state) -> logits (1, T, V), state     a few tokens, one step each
     sample(logits, params, generators)    -> tokens (B,)                 model/sampling.py
     TextStream(tok, params).feed(token)   -> (text, finish or None)      token ids to text, and when to stop
-`Generation` is the single-session loop built from them (tests, benches); server/engine.py runs
+`Generation` is the single-session loop built from them (tests, benches); server/engine/engine.py runs
 the same functions over a batch of sessions, so both give the same tokens, text and finish.
 """
 from __future__ import annotations

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from .compiled.lowp import to_weights
 from .config import ModelConfig
 from .lm import LM
-from .lowp import to_weights
 from .mixers.fla_common import mlp_width
 from .mixers.fla_rwkv6 import ffn_width
 from .tokenizer import Tokenizer
@@ -48,7 +48,7 @@ def is_hf(path: Path) -> bool:
 def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32",
                     weights: str = "float32") -> tuple[LM, Tokenizer]:
     """The model and tokenizer in `path` (either layout), weights moved to `device` and cast to
-    `dtype` (one of DTYPES), then its projections held as `weights` (model/lowp.py: "int8" on CPU
+    `dtype` (one of DTYPES), then its projections held as `weights` (model/compiled/lowp.py: "int8" on CPU
     with float32 dtype only). The state stays float32 whatever the dtype (see LM.init_state)."""
     path = Path(path)
     if dtype not in DTYPES:

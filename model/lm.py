@@ -75,7 +75,7 @@ class LM(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self._fingerprint: str | None = None
-        self._num_params: int | None = None  # set when projections become int8 buffers (model/lowp.py)
+        self._num_params: int | None = None  # set when projections become int8 buffers (model/compiled/lowp.py)
 
     @staticmethod
     def _init(m):
@@ -121,7 +121,7 @@ class LM(nn.Module):
         return logits, State(new, state.position + 1, state.time_dims, logits)
 
     def step_layers(self, tokens: Tensor, layers: list[dict[str, Tensor]], position: Tensor):
-        """`step` on plain tensors: (logits (B, V) float32, new layers). What model/compiled.py compiles."""
+        """`step` on plain tensors: (logits (B, V) float32, new layers). What model/compiled/stepper.py compiles."""
         x = self.embed(tokens.to(self.embed.weight.device))  # (B, D)
         new, carry = [], None
         for block, layer in zip(self.blocks, layers):
@@ -140,7 +140,7 @@ class LM(nn.Module):
 
     @property
     def fingerprint(self) -> str:
-        """The digest when first asked (model/lowp.py keeps the float32 checkpoint's across a cast):
+        """The digest when first asked (model/compiled/lowp.py keeps the float32 checkpoint's across a cast):
         a snapshot only loads into the model it came from."""
         if self._fingerprint is None:
             self._fingerprint = self.digest()[:32]

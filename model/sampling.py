@@ -6,11 +6,11 @@ filters are vectorised over rows; only the one uniform draw per row comes from t
 `torch.Generator`, which is what makes a seeded request reproducible whatever it is batched with.
 
 `reference_probs` is the readable definition of what a token is drawn from; the sampler reaches
-the same tokens faster (issue 13: at 64 rows the full sort cost as much as the decode step):
-`logits_to_probs` gives the same probabilities bit for bit with numpy's sort, rows without
-filters skip the sort altogether (`_draw_plain`), and rows with top-k / top-p find the reference's
-own cut and draw over the kept tokens only (`_draw_filtered`). `benchmarks/sampling_bench.py`
-prints them against the reference.
+the same tokens with less work (a full sort of every row costs about as much as a decode step at
+large batches): `logits_to_probs` gives the same probabilities bit for bit with numpy's sort,
+rows without filters skip the sort altogether (`_draw_plain`), and rows with top-k / top-p find
+the reference's own cut and draw over the kept tokens only (`_draw_filtered`).
+`benchmarks/sampling_bench.py` prints them against the reference.
 
 Shapes: B rows of the batch, V vocabulary; N the rows a helper is given (a subset of B).
 """
@@ -51,7 +51,7 @@ class SamplingParams:
 
 def finite_rows(logits: Tensor) -> list[bool]:
     """Whether each row of logits (B, V) is all finite: a step that went bad for a row shows here
-    first. numpy for float32 on the CPU (a quarter of torch's per-call cost at one row)."""
+    first. numpy for float32 on the CPU (a smaller per-call cost than torch's at one row)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return np.isfinite(logits.detach().numpy()).all(-1).tolist()
     return torch.isfinite(logits).all(-1).tolist()
@@ -108,8 +108,8 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
 def _ranked(x: Tensor, head: int | None = None) -> Tensor:
     """For (B, V) float32 on the CPU: with head None, the values of x.sort(dim=-1, descending=True);
     else the tokens of its first `head` ranks (B, head), the order among equal values aside.
-    torch's sort takes 8-15 ms for 64 rows of 2,048 logits; numpy's (AVX-512) sort 0.2 ms, and
-    its argpartition and argsort of the head (up to 512) well under a millisecond."""
+    numpy's vectorised sort is much cheaper than torch's on the CPU at these sizes, and its
+    argpartition plus an argsort of the head (up to 512) cheaper still (benchmarks/sampling_bench.py)."""
     neg = np.negative(x.detach().numpy())  # ascending order of -x is descending order of x
     if head is None:
         return torch.from_numpy(np.negative(np.sort(neg, axis=-1)))
@@ -122,8 +122,8 @@ def _ranked(x: Tensor, head: int | None = None) -> Tensor:
 
 def _mass_before(probs: Tensor, k: Tensor, top_p: Tensor, head: int = 512) -> Tensor:
     """probs.cumsum(-1) - probs (B, V), the mass ranked ahead of each token, where top-p needs it.
-    The cumsum (float64 inside) costs a millisecond at 64 rows of 2,048, tails of denormals
-    included, so it runs over the first `head` ranks only where that settles the row: where its
+    The full cumsum (float64 inside, tails of denormals included) is a large share of a batch's
+    sampling, so it runs over the first `head` ranks only where that settles the row: where its
     top-k ends there, or where the mass ahead of rank head - 1 already passes p by more than the
     rounding (it only grows further down). Those columns equal the full cumsum's. Past the head
     such rows read +inf (dropped either way)."""

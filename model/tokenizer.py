@@ -4,7 +4,7 @@ Byte-level means every token stands for a byte string and every byte sequence is
 any UTF-8 text round-trips exactly. Streaming decode goes through `IncrementalDecoder`, which
 holds back the bytes of an unfinished multi-byte character instead of emitting half of it.
 
-    python -m model.tokenizer --vocab 2048 --out model/weights/tokenizer.json
+    python -m linstream.model.tokenizer --vocab 2048 --out model/weights/tokenizer.json
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class Tokenizer:
             self.token_bytes[i] = bytes(alpha[c] for c in piece)
 
     def encode(self, text: str) -> list[int]:
-        # encode_batch lets go of the GIL while it works (encode holds it: ~1 s for 1 MiB), so a
+        # encode_batch lets go of the GIL while it works (encode holds it throughout), so a
         # long prompt tokenized on a worker thread stalls neither the event loop nor the engine
         return self.hf.encode_batch([text], add_special_tokens=False)[0].ids
 

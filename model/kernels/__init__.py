@@ -9,9 +9,9 @@ source, built for the ISA torch reports): weights in panels of 32 output columns
 where rows share a panel's loads (12 rows with AVX-512, 3 with AVX2), and fewer rows walking
 several panels at once.
 Each output is one FMA chain over k from zero and then its bias, so a row's bits never depend on
-the rows beside it (batch invariance, goal 7 of the README's issue-13 table), nor on which of the
-two builds ran it: the same property inductor's own GEMM template has, at 2.6-3.8x its speed at
-64 rows with AVX-512 (benchmarks/own_gemm.py).
+the rows beside it (batch invariance), nor on which of the two builds ran it: the same property
+inductor's own GEMM template has, at several times its speed at large batches with AVX-512
+(benchmarks/own_gemm.py measures both).
 
 AOTInductor calls it straight from the generated step through its C shim
 (`aoti_torch_cpu_packed_linear`, listed in `aot_inductor.custom_ops_to_c_shims`): no dispatcher,
@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from .. import CACHE_DIR
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
 NR = 32  # a panel's columns
@@ -76,13 +78,12 @@ def compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    from ..compiled import CACHE_DIR
     return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or CACHE_DIR) / "kernels"
 
 
 def library() -> Path:
     """The built kernel library (named by a hash of its source, flags and torch), loaded into the
-    process with its symbols global. Builds it on first use (~2-3 s)."""
+    process with its symbols global. Builds it on first use (one C++ compile)."""
     global _lib
     with _lock:
         torch_dir = Path(torch.__file__).parent

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import register
 from .. import kernels
 from ..ops.gated_attn import gated_attn_chunked, gated_attn_step
 from ..ops.naive import gated_attn_naive
+from . import register
 from .fla_common import token_shift
 
 
@@ -66,7 +66,7 @@ class DDLerp(nn.Module):
 
 class TimeMix(nn.Module):
     # the five mixes' low-rank up-projection, one (D, R) matmul weight per mix inside x_proj[2]'s
-    # weight: the compiled step's own twin (model/gemm.py) packs them for our kernel ("gnk")
+    # weight: the compiled step's own twin (model/compiled/gemm.py) packs them for our kernel ("gnk")
     PACKABLE = {"mix_up": "gnk"}
 
     def __init__(self, cfg):
@@ -93,7 +93,7 @@ class TimeMix(nn.Module):
         """x, d (B, T, D) -> r, k, g (B, H, T, K), v (B, H, T, V) in float32, and the gate (B, T, val)."""
         B, T, D = x.shape
         low = self.x_proj[1](self.x_proj[0](x, d)).view(B, T, 5, self.R)
-        packed = getattr(self, "mix_up_packed", None)  # model/gemm.py's own twin: our matmul per mix
+        packed = getattr(self, "mix_up_packed", None)  # model/compiled/gemm.py's own twin: our matmul per mix
         if packed is None:
             mu = torch.einsum("btnr,ndr->btnd", low, self.mix_up)
         else:

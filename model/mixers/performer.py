@@ -60,7 +60,7 @@ class Performer(LinearAttention):
         self.temp = nn.Parameter(torch.zeros(self.H))  # tau = TAU_MAX * sigmoid(temp): 4 at init
         self.register_buffer("features", orthogonal_features(self.H, self.M, K))  # (H, M, K)
 
-    PACKABLE = {"features": "gnk"}  # (H, M, K): a matmul weight per head, packed by model/gemm.py's own twin
+    PACKABLE = {"features": "gnk"}  # (H, M, K): a matmul weight per head, packed by model/compiled/gemm.py's own twin
 
     def _decays(self, cfg):  # no decay: the original causal Performer
         return torch.ones(self.H)
@@ -71,7 +71,7 @@ class Performer(LinearAttention):
     def _phi(self, x: Tensor, query: bool) -> Tensor:  # (B, H, T, K) -> (B, H, T, M)
         tau = TAU_MAX * torch.sigmoid(self.temp)[:, None, None]  # (H, 1, 1)
         x = F.normalize(x, dim=-1) * tau.sqrt()
-        packed = getattr(self, "features_packed", None)  # model/gemm.py's own twin: our matmul per head
+        packed = getattr(self, "features_packed", None)  # model/compiled/gemm.py's own twin: our matmul per head
         if packed is None:
             logits = torch.einsum("bhtk,hmk->bhtm", x, self.features)
         else:

@@ -74,7 +74,7 @@ class RWKV6TimeMix(nn.Module):
         return t.view(B, T, self.H, -1).transpose(1, 2)
 
     # parameters used as matmul weights outside nn.Linear, and their layout: the compiled step's
-    # own twin (model/gemm.py) packs them for our kernel ("kn": (K, N); "gkn": (G, K, N), by group)
+    # own twin (model/compiled/gemm.py) packs them for our kernel ("kn": (K, N); "gkn": (G, K, N), by group)
     PACKABLE = {"mix_a": "kn", "mix_b": "gkn", "decay_a": "kn", "decay_b": "kn"}
 
     def _mm(self, x, name):
@@ -88,7 +88,7 @@ class RWKV6TimeMix(nn.Module):
         B, T, _ = x.shape
         dx = prev - x
         m = torch.tanh(self._mm(x + dx * self.mu_x, "mix_a")).view(B, T, 5, MIX_RANK)
-        packed = getattr(self, "mix_b_packed", None)  # model/gemm.py's own twin: our matmul per group
+        packed = getattr(self, "mix_b_packed", None)  # model/compiled/gemm.py's own twin: our matmul per group
         if packed is None:
             m = torch.einsum("btfr,frd->btfd", m, self.mix_b)  # (B, T, 5, D)
         else:

@@ -1,0 +1,151 @@
+"""The matmul kernels a compiled decode step can run its projections with (`--gemm`).
+
+    twin = twin(model, "own")     # shares every tensor with `model`; its nn.Linear run our kernel
+
+"own" (the default) is our AVX-512 or AVX2 kernel (model/kernels) over weights packed once in
+panels of 32 columns (float32, or bfloat16 / int8 for `--weights bfloat16 / int8`), called from
+the step built ahead of time through its C shim. At one row it streams the weights as fast as
+inductor's template; at large batches it is much faster than the template, about as fast as
+MKL's sgemm (`python benchmarks/model_bench.py --step-only --threads 1 --gemm inductor own
+--step-batches 1 4 64` puts the three side by side). Where the CPU has neither ISA or the build
+fails, the step runs inductor's template instead, with a log line.
+"inductor" is inductor's own C++ GEMM template over weights it packs at compile
+time (model/compiled/stepper.py). It streams the weights at one row about as fast as a GEMV, but
+its blocking is made for a few rows: past a handful of rows the step's time climbs steeply and a
+large batch leaves most of the CPU's arithmetic unused. "onednn" is oneDNN's matmul over weights
+reordered once into its blocked layout (`mkldnn._reorder_linear_weight`,
+`mkldnn._linear_pointwise`): its JIT kernels keep an AVX-512 CPU busy at any row count, so a
+large-batch step is faster than the template's, but each call carries a fixed cost of its own,
+which makes a one-row step slower. `python benchmarks/model_bench.py --step-only --threads 1
+--gemm inductor onednn --step-batches 1 4 8 16 64` measures both and where they cross (a few
+rows).
+
+All three keep a row's bits independent of the batch it is in (every row through the same kernel
+and order of additions; oneDNN's from 2 rows up, and the compiled step pads smaller batches to 4;
+tests/model/test_compiled.py, tests/model/test_kernels.py), so a server's text does not depend
+on its load under any. The choice is per server, not per step: switching kernels with the batch
+size would change a row's low bits with the load.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+
+from .. import kernels
+from .lowp import BF16Linear, Int8Linear
+
+GEMMS = ("inductor", "onednn", "own")
+REORDER_ROWS = 64  # the row count oneDNN's weight layout is chosen for (any count above 1 gives the same bits)
+
+
+class OneDnnLinear(nn.Module):
+    """nn.Linear over a weight held in oneDNN's blocked layout. Compiled with freezing, where
+    inductor lowers `_linear_pointwise` to one oneDNN call over the constant weight."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # shared, for code that reads a projection's shape or dtype
+        self.bias = linear.bias
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), REORDER_ROWS))
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "none", [], "")
+        return y.reshape(*lead, self.out_features)  # (..., N)
+
+
+class OwnLinear(nn.Module):
+    """nn.Linear through our own kernel (model/kernels): the weight packed once in panels of 32
+    columns, frozen into the step's library as a constant, called there through its C shim."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # shared, for code that reads a projection's shape or dtype
+        self.bias = linear.bias
+        self.register_buffer("packed", kernels.pack(linear.weight))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return kernels.linear(x, self.packed, self.out_features, self.bias)  # (..., N)
+
+
+class OwnBF16Linear(BF16Linear):
+    """A BF16Linear (--weights bfloat16) through our kernel over bfloat16 panels: the weights'
+    bytes halved as with inductor's bfloat16 template, but the input stays float32 (the kernel
+    widens each weight as it loads it), so the result is float32 weights rounded to bfloat16
+    multiplied in float32, one FMA chain per output as for float32 panels. Its `w` is shared with
+    the BF16Linear it stands for; only the panels are new."""
+
+    def __init__(self, linear: BF16Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.w, self.bias = linear.w, linear.bias
+        self.register_buffer("packed", kernels.pack(linear.w, torch.bfloat16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return kernels.linear(x.float(), self.packed, self.out_features, self.bias)  # (..., N) float32
+
+
+class OwnInt8Linear(Int8Linear):
+    """An Int8Linear (--weights int8) through our kernel over int8 panels: a quarter of float32's
+    bytes, each weight widened exactly as it is loaded and the row's scale applied once its FMA
+    chain is done, the input left in float32. Its qweight is shared with the Int8Linear it
+    stands for; only the panels and a float32 copy of the scales are new."""
+
+    def __init__(self, linear: Int8Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.qweight, self.scale, self.bias = linear.qweight, linear.scale, linear.bias
+        self.register_buffer("packed", kernels.pack(linear.qweight, torch.int8))
+        self.register_buffer("scale_f32", linear.scale.float())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return kernels.linear(x.float(), self.packed, self.out_features, self.bias, self.scale_f32)  # (..., N) float32
+
+
+def packable(m: nn.Module) -> bool:
+    """A projection oneDNN's kernel (and ours) can take: a float32 CPU nn.Linear."""
+    return type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+
+
+def own_kind(m: nn.Module) -> type[nn.Module] | None:
+    """What our kernel runs `m` as, or None where it does not take it."""
+    if packable(m):
+        return OwnLinear
+    if type(m) is BF16Linear and m.w.device.type == "cpu":
+        return OwnBF16Linear
+    if type(m) is Int8Linear and m.qweight.device.type == "cpu":
+        return OwnInt8Linear
+    return None
+
+
+def twin(model: nn.Module, gemm: str) -> nn.Module:
+    """A copy of `model` whose float32 CPU nn.Linear run OneDnnLinear ("onednn") or OwnLinear
+    ("own", which also takes BF16Linear and Int8Linear: own_kind); every parameter and buffer is
+    shared with `model` (only the packed weights are new: one more copy of the projections)."""
+    kind = {"onednn": lambda m: OneDnnLinear if packable(m) else None, "own": own_kind}[gemm]
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    copied = copy.deepcopy(model, memo)
+    for parent in list(copied.modules()):
+        for name, child in list(parent.named_children()):
+            if kind(child) is not None:
+                setattr(parent, name, kind(child)(child))
+        if gemm == "own":
+            pack_params(parent)
+    return copied.requires_grad_(False)
+
+
+def pack_params(module: nn.Module) -> None:
+    """Our kernel's packed copy of each parameter a mixer multiplies by outside nn.Linear (its
+    PACKABLE: name -> layout), as a buffer `<name>_packed` its forward looks for: "kn" a (K, N)
+    weight, "gkn" / "gnk" one (K, N) / (N, K) weight per group g."""
+    for name, layout in getattr(module, "PACKABLE", {}).items():
+        w = getattr(module, name)
+        if w.dtype != torch.float32 or w.device.type != "cpu":
+            continue
+        packed = (kernels.pack(w.t()) if layout == "kn" else
+                  torch.stack([kernels.pack(g.t() if layout == "gkn" else g) for g in w]))
+        module.register_buffer(name + "_packed", packed)

@@ -1,0 +1,109 @@
+"""Reduced-precision projection weights for decode: int8 weight-only or bfloat16, with bfloat16
+activations and float32 results.
+
+    model = LM.load(path)
+    to_weights(model, "int8")      # nn.Linear -> Int8Linear, in place (input widths a multiple of 16)
+    to_weights(model, "bfloat16")  # nn.Linear -> BF16Linear, likewise
+
+A decode step at batch 1 is bound by streaming the weights, so a quarter of the bytes is most of
+the cost gone. Each projection keeps one int8 per weight and one scale per output row (symmetric,
+absmax / 127); its input is rounded to bfloat16 and aten's `_weight_int8pack_mm` multiplies,
+widening each weight and accumulating in float32; its result, rounded to bfloat16 by the kernel,
+comes back float32 (the compiled step runs inductor's own int8 template instead, which rounds
+elsewhere: compiled and eager agree to bfloat16's precision). Everything else stays float32:
+embedding, norms, the mixers' recurrences and their state, the residual stream, and the
+projections whose input width is not a multiple of 16 (the kernel reads a row 16 at a time: other
+widths crash it or come back wrong).
+Small projections count too: mamba's 32-wide x_proj in float32 goes to oneDNN in the compiled
+step, a noticeable share of its step. benchmarks/lowp_matmul.py measures why this kernel and not
+another: bfloat16 weights through inductor's GEMM template barely shorten a compiled step at one
+row, where this kernel shortens it clearly, with held-out bits per byte as float32's (its --bpb);
+with float32 inputs the same kernel is far slower than float32.
+The kernel treats every row alone with the same order of additions, so the compiled step stays
+bit-identical per row across batch sizes (tests/model/test_lowp.py).
+"bfloat16" holds each projection's weights in bfloat16 (half the bytes of float32), its input
+rounded to bfloat16 and its result float32: inductor's bfloat16 GEMM template in the compiled
+step (row-exact like the float32 one), aten's bfloat16 matmul eagerly. int8 is the quicker of
+the two at one row (benchmarks/lowp_matmul.py times compiled batch-1 steps with each, and with
+float32).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+WEIGHT_FORMATS = ("float32", "int8", "bfloat16")  # how projections are stored: --weights (model.WEIGHTS is the checkpoints)
+K_MULTIPLE = 16  # the kernel's input widths
+
+
+class Int8Linear(nn.Module):
+    """y = (bf16(x) @ int8(W).T) * scale (+ bias), float32 out. Weight-only: x is not quantized."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().float()  # (N, K)
+        scale = w.abs().amax(1).clamp_min(1e-12) / 127  # (N,) one per output row
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(torch.bfloat16))  # the kernel wants the input's dtype
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight (N, K) float32, for code that reads a projection's weight or its
+        dtype (mamba.py casts its input to it); the forward never uses it."""
+        return self.qweight.float() * self.scale.float()[:, None]
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # (rows, K): the kernel wants rows dense
+        y = torch._weight_int8pack_mm(x, self.qweight, self.scale)
+        y = y.float().reshape(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+
+
+class BF16Linear(nn.Module):
+    """y = bf16(x) @ bf16(W).T (+ bias), float32 out."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("w", linear.weight.detach().to(torch.bfloat16).contiguous())  # (N, K)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+
+    @property
+    def weight(self) -> Tensor:
+        """The weight (N, K) as float32, for code that reads a projection's weight or its dtype."""
+        return self.w.float()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.w).float()
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 weights"
+
+
+def to_weights(model: nn.Module, weights: str) -> nn.Module:
+    """Hold `model`'s projections in `weights` ("float32": unchanged; "int8": Int8Linear;
+    "bfloat16": BF16Linear), in place.
+    The embedding stays float32 even where the head is tied to it: the head gets its own int8 copy.
+    The fingerprint is the float32 checkpoint's, taken first (as load_checkpoint does before a cast):
+    a snapshot moves between servers of one checkpoint and continues within int8's tolerance."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights {weights!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
+    if weights == "float32":
+        return model
+    getattr(model, "fingerprint", None)
+    if hasattr(model, "num_params"):
+        model._num_params = model.num_params()  # the int8 weights become buffers, not parameters
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.in_features % K_MULTIPLE == 0 \
+                    and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+                setattr(parent, name, (Int8Linear if weights == "int8" else BF16Linear)(child))
+    return model

@@ -1,0 +1,441 @@
+"""OpenAI-compatible /v1/completions and /v1/chat/completions (streaming and not), /v1/models.
+
+Each generation runs on a session: the one named by the `session_id` extension field (continued,
+and kept), or a temporary one deleted afterwards. A request asking for several choices (a list
+of prompts, n > 1, best_of) runs its generations side by side in the engine's batch, each on its
+own temporary session and admitted like a request (`Choices`).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+
+from linstream.model.footprint import footprint
+
+from ...core.auth import Owner
+from ...core.errors import APIError
+from ...engine.engine import Engine
+from ...sessions.session import Session
+from ..openai_schemas import MAX_RUNS, Chat, Completion, OpenAISampling, chat_prompt, unsupported
+from ..streaming import DONE_FRAME, Gathered, Stream, data_frame, events, sse_response
+from .deps import RT, json_body
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+@dataclass
+class Run:
+    """One generation of a request: its stream (on a temporary or a named session) and prompt."""
+    stream: Stream
+    ids: list[int]
+    echo: list | None  # (token, logprob, top) of the prompt, when echoed with logprobs
+    temp: bool
+
+    @property
+    def session(self) -> Session:
+        return self.stream.session
+
+    @property
+    def tok(self):
+        return self.stream.eng.tok
+
+
+def _separator(tail: str) -> str:
+    """What goes between a session's text and the chat turns appended to it, so the transcript
+    keeps chat_prompt's blank line between messages."""
+    return "" if tail.endswith("\n\n") else "\n" if tail.endswith("\n") else "\n\n"
+
+
+async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | None, logprobs: int | None,
+               choice: int = 0, transcript: bool = False, follow: str = "") -> Run:
+    """Open or continue the session, push the prompt, start generating. `transcript`: text is
+    chat turns, separated from what a continued session holds; `follow`: what the next request
+    puts after this completion (the prefix cache keeps that state too). What can be refused is checked
+    before a temporary session is made; once made, it is deleted on any way out (a refusal, an
+    error, a cancellation) until its generation owns it, and then when that ends
+    (Runtime.finish_generation)."""
+    limit = rt.settings.max_new_tokens
+    req.new_tokens(limit)  # refused before any work
+    if req.session_id:
+        s = await rt.find(req.session_id, owner)
+        if req.model and req.model != s.model:
+            raise APIError(400, "invalid_request", f"session {s.id!r} runs model {s.model!r}")
+        eng = rt.engines[s.model]
+    else:
+        s, eng = None, rt.engine(req.model)
+    params = req.to_params(limit, eng.model.cfg.vocab_size, choice)
+    ids = await (rt.prompt_tokens(eng, owner, text) if isinstance(text, str) else rt.tokens_of(eng, None, text))
+    if not ids and (s is None or s.position == 0):
+        raise APIError(400, "empty_prompt", "the prompt is empty: send text or token ids" if s is None else
+                       f"session {s.id!r} holds no tokens and the prompt is empty: send text or token ids")
+    temp = s is None
+    if temp:
+        rt.admit(eng, owner)  # draining, overloaded or rate-limited: refused before any work
+        # from the longest cached prefix; `follow`: what the next request puts after this completion
+        s = await rt.start_from_prefix(eng, owner, ids, follow, echo_logprobs is None, text if isinstance(text, str) else None)
+    try:
+        async with rt.hold(s, release=False) as s:
+            if transcript and not temp and s.tokens:  # a continued session: the transcript's separator
+                ids = eng.tok.encode(_separator(eng.tok.decode(s.tokens[-4:]))) + ids
+            start = s.position
+            _, pre = await rt.push(s, ids[start:] if temp else ids, echo_logprobs)
+            echo = None
+            if pre is not None and echo_logprobs is not None:  # the very first token has no context
+                echo = [(t, None if start == 0 and i == 0 else lp, None if start == 0 and i == 0 else top)
+                        for i, (t, (lp, top)) in enumerate(zip(ids, pre.results))]
+            st = rt.generate(s, params, logprobs)
+    except BaseException:  # cancellation (the client left, shutdown) included
+        if temp:  # shielded: a second cancellation must not cut the delete short
+            await asyncio.shield(rt.spawn(rt.delete(s)))
+        raise
+    return Run(st, ids, echo, temp)
+
+
+def _runs(req: OpenAISampling, count: int) -> None:
+    if count > MAX_RUNS:
+        raise APIError(422, "invalid_request", f"prompts x best_of (or n) = {count} exceeds {MAX_RUNS}")
+    if count > 1 and req.session_id:
+        raise APIError(400, "invalid_request", "session_id continues one session: send one prompt with n = 1")
+
+
+async def _gone(request: Request) -> None:
+    """Before a further run of a non-streamed request: stop if its client has left (a streamed
+    request is ended by its response instead)."""
+    if await request.is_disconnected():
+        raise APIError(499, "client_closed", "the client closed the connection")
+
+
+def _finish(done: dict) -> str:
+    """OpenAI's finish_reason for our done event; a generation that failed is an error object."""
+    if "error" in done:
+        raise APIError(500, done["error"]["type"], done["error"]["message"])
+    return "stop" if done["finish_reason"] in ("stop", "cancelled", "shutdown") else "length"
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# refusals for room (the queue, the slots, the key's streams): a further choice of a request waits
+# them out while others of the request run, since their ending makes room
+ROOM = {"overloaded", "at_capacity", "rate_limited"}
+
+
+class Choices:
+    """The generations of one request with several choices (prompts x n, or x best_of), run side
+    by side in the engine's batch, each on its own temporary session: choice k is choice k % per
+    of prompt k // per. A prompt's first choice starts before its others, which then start from
+    the state its prompt reached (cached: the prompt is prefilled once). At most `at_once`
+    generate together; a choice refused for room while others of the request run is tried again
+    when one of them ends, so a request that fits one choice at a time is served whole, as it would
+    be with its choices run one after another. Seeded choices give the same tokens as run one after
+    another on a CPU, where a row's tokens do not depend on its batch (on CUDA, only up to the BLAS's
+    low bits)."""
+
+    def __init__(self, start: Callable[[int], Awaitable[Run]], first: Run, count: int, per: int, at_once: int):
+        self.start, self.count, self.per, self.at_once = start, count, per, at_once
+        self.runs: dict[int, Run] = {0: first}
+
+    def let_go(self) -> None:
+        """The response is over: every run still going is cancelled and its session let go."""
+        for run in list(self.runs.values()):
+            run.stream.let_go()
+
+    async def events(self) -> AsyncIterator[tuple[int, Run, str, dict | None]]:
+        """(k, run, kind, event) for every choice as its events come: kind "start" once as the run
+        begins (event None), then its "token"s and its "done". Each run's next event is asked for
+        only after its previous one has been taken, so a token counts as delivered (`events`)
+        once the response has it. A refusal that cannot wait is raised."""
+        ready: asyncio.Queue = asyncio.Queue()  # tasks as they finish
+        tasks: dict[asyncio.Task, tuple[str, int]] = {}  # ("start" | "event", k)
+        gens: dict[int, AsyncIterator] = {}
+        waiting = list(range(1, self.count))
+        live, blocked = 1, False  # runs started and not done; a refusal waits for one to end
+        refused = False  # once refused for room, choices start one at a time (not all at once to be refused again)
+
+        def track(coro, what: str, k: int):
+            t = asyncio.ensure_future(coro)
+            tasks[t] = (what, k)
+            t.add_done_callback(ready.put_nowait)
+
+        def follow(k: int):
+            gens[k] = gens.get(k) or events(self.runs[k].stream)
+            track(anext(gens[k]), "event", k)
+
+        def launch():
+            starting = sum(1 for what, _ in tasks.values() if what == "start")
+            for k in list(waiting):
+                if live + starting >= self.at_once or (refused and starting):
+                    return
+                if k % self.per and k - k % self.per not in self.runs:  # after its prompt's first choice
+                    continue
+                waiting.remove(k)
+                track(self.start(k), "start", k)
+                starting += 1
+
+        try:
+            yield 0, self.runs[0], "start", None
+            follow(0)
+            while True:
+                if not blocked:
+                    launch()
+                if not tasks:
+                    break
+                t = await ready.get()
+                what, k = tasks.pop(t)
+                if what == "start":
+                    try:
+                        run = t.result()
+                    except APIError as e:
+                        if e.type in ROOM and (live or any(w == "start" for w, _ in tasks.values())):
+                            waiting.insert(sum(1 for w in waiting if w < k), k)
+                            blocked = refused = True
+                            continue
+                        raise
+                    self.runs[k] = run
+                    live += 1
+                    yield k, run, "start", None
+                    follow(k)
+                    continue
+                kind, ev = t.result()
+                yield k, self.runs[k], kind, ev
+                if kind == "done":
+                    live, blocked = live - 1, False
+                else:
+                    follow(k)
+            if waiting:  # cannot happen: a refusal waits only while a run or a start of the request is in flight
+                raise RuntimeError(f"choices {waiting} never started")
+        finally:
+            for t, (what, _) in tasks.items():
+                if what == "start":  # not cancelled (a cancel amid the slot's allocation could lose it): let go once started
+                    t.add_done_callback(_let_go_started)
+                else:
+                    t.cancel()
+                    t.add_done_callback(_retrieved)
+            self.let_go()
+
+
+def _retrieved(t: asyncio.Task) -> BaseException | None:
+    """A task's outcome, read so that its exception (the response being over) is not logged as lost."""
+    return None if t.cancelled() else t.exception()
+
+
+def _let_go_started(t: asyncio.Task) -> None:
+    if _retrieved(t) is None and not t.cancelled():
+        t.result().stream.let_go()
+
+
+def _streamed(rt, req: OpenAISampling, base: dict, choices: Choices, render) -> object:
+    """SSE over a request's choices as their events come. `render(k, run, kind, ev, sent)` -> the
+    chunks of one event, `sent` being the text choice k has streamed so far. The usage chunk only
+    if stream_options asks."""
+
+    async def gen():
+        prompt = completion = 0
+        sent: dict[int, int] = {}
+        failed = False
+        try:
+            async with aclosing(choices.events()) as evs:
+                async for k, run, kind, ev in evs:
+                    if kind == "done" and "error" in ev:
+                        yield data_frame({"error": ev["error"]})
+                        failed = True
+                        break
+                    for c in render(k, run, kind, ev, sent.get(k, 0)):
+                        yield data_frame(c)
+                    if kind == "token":
+                        sent[k] = sent.get(k, 0) + len(ev["text"])
+                    elif kind == "done":
+                        prompt += ev["usage"]["prompt_tokens"] if k % req.n == 0 else 0
+                        completion += ev["usage"]["completion_tokens"]
+        except APIError as e:  # a further choice refused
+            yield data_frame({"error": {"type": e.type, "message": e.message}})
+            failed = True
+        if req.include_usage and not failed:
+            yield data_frame({**base, "choices": [], "usage": _usage(prompt, completion)})
+        yield DONE_FRAME
+    return sse_response(gen(), choices.let_go, rt.settings)
+
+
+async def _gathered(choices: Choices) -> dict[int, tuple[Run, dict]]:
+    """Every choice's run and body (as `collect` makes it), once all are done; the first failure
+    is raised as its error."""
+    bodies, out = {}, {}
+    async with aclosing(choices.events()) as evs:
+        async for k, run, kind, ev in evs:
+            if kind == "start":
+                bodies[k] = Gathered()
+            elif (done := bodies[k].add(kind, ev)) is not None:
+                _finish(done)
+                out[k] = run, done
+    return out
+
+
+def _logprobs_obj(tok, entries, offset: int = 0):
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, lp, top in entries:
+        piece = tok.decode([t])
+        out["tokens"].append(piece)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(piece)
+    return out
+
+
+def _prompts(req: Completion) -> list[str | list[int]]:
+    p = req.prompt
+    if isinstance(p, list) and p and not isinstance(p[0], int):
+        return p  # several prompts
+    if isinstance(p, list) and not p:
+        raise APIError(400, "empty_prompt", "prompt: an empty list; send text, token ids or a list of either")
+    return [p]
+
+
+async def _token_prompts(rt, eng: Engine, prompts: list) -> list[list[int]]:
+    out = []
+    for i, p in enumerate(prompts):
+        ids = await (rt.tokens_of(eng, p, None) if isinstance(p, str) else rt.tokens_of(eng, None, p))
+        if not ids:
+            raise APIError(400, "empty_prompt", f"prompt[{i}] is empty: send text or token ids")
+        out.append(ids)
+    return out
+
+
+@router.post("/completions")
+async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
+    unsupported(req)
+    prompts, n = _prompts(req), req.n
+    best = req.best_of or n
+    if best < n:
+        raise APIError(400, "invalid_request", f"best_of ({best}) must be at least n ({n})")
+    if req.stream and best > n:
+        raise APIError(400, "invalid_request", "best_of: cannot stream when best_of > n")
+    _runs(req, len(prompts) * best)
+    if len(prompts) > 1:  # every prompt checked (and tokenized, once) before any is served
+        prompts = await _token_prompts(rt, rt.engine(req.model), prompts)
+    want = req.logprobs
+    lp = 0 if want is None and best > n else want  # ranking by best_of needs each token's logprob
+
+    async def start(k: int, prompts=prompts):  # run k: choice k % best of prompt k // best
+        if k and not req.stream:
+            await _gone(request)
+        return await _run(rt, req, owner, prompts[k // best], want if req.echo else None, lp, k % best)
+
+    first = await start(0)
+    choices = Choices(start, first, len(prompts) * best, best, rt.settings.choices_at_once)
+    base = {"id": f"cmpl-{first.session.id[5:21]}", "object": "text_completion", "created": int(time.time()),
+            "model": first.session.model}
+
+    if req.stream:
+        echoed: dict[int, str] = {}  # run -> its prompt's text, decoded once
+
+        def render(k, run, kind, ev, sent):
+            if k not in echoed:
+                echoed[k] = run.tok.decode(run.ids) if req.echo else ""
+            prefix = echoed[k]
+            if kind == "start":
+                lps = _logprobs_obj(run.tok, run.echo) if run.echo else None
+                return [{**base, "choices": [{"index": k, "text": prefix, "finish_reason": None, "logprobs": lps}]}] \
+                    if prefix else []
+            if kind == "token":
+                lps = _logprobs_obj(run.tok, [(ev["token"], *ev["logprobs"])], len(prefix) + sent) \
+                    if "logprobs" in ev and want is not None else None
+                return [{**base, "choices": [{"index": k, "text": ev["text"], "finish_reason": None, "logprobs": lps}]}]
+            return [{**base, "choices": [{"index": k, "text": "", "finish_reason": _finish(ev), "logprobs": None}]}]
+        return _streamed(rt, req, base, choices, render)
+
+    bodies = await _gathered(choices)
+    out, prompt_tokens, completion_tokens = [], 0, 0
+    for pi in range(len(prompts)):
+        cands = [bodies[pi * best + j] for j in range(best)]
+        completion_tokens += sum(done["usage"]["completion_tokens"] for _, done in cands)
+        prompt_tokens += cands[0][1]["usage"]["prompt_tokens"]
+        if best > n:  # the n most likely, by the summed logprob of their tokens
+            cands.sort(key=lambda c: -sum(x[0] for x in c[1].get("logprobs", [])))
+        for j, (run, done) in enumerate(cands[:n]):
+            prefix = run.tok.decode(run.ids) if req.echo else ""
+            lps = None
+            if want is not None:
+                lps = _logprobs_obj(run.tok, (run.echo or []) +
+                                    [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))])
+            out.append({"index": pi * n + j, "text": prefix + done["text"], "finish_reason": _finish(done),
+                        "logprobs": lps})
+    return json_body({**base, "choices": out, "usage": _usage(prompt_tokens, completion_tokens),
+                      **({"session_id": first.session.id} if not first.temp else {})})
+
+
+def _chat_logprobs(tok, entries) -> dict:
+    """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    def one(text, lp):
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+    return {"content": [{**one(tok.decode([t]), lp), "top_logprobs": [one(a, b) for a, b in (top or {}).items()]}
+                        for t, lp, top in entries]}
+
+
+@router.post("/chat/completions")
+async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
+    unsupported(req)
+    _runs(req, req.n)
+    text = chat_prompt(req.messages)
+    lp = (req.top_logprobs or 0) if req.logprobs else None
+
+    async def start(k: int):
+        if k and not req.stream:
+            await _gone(request)
+        return await _run(rt, req, owner, text, None, lp, k, transcript=True, follow="\n\n")
+
+    first = await start(0)
+    choices = Choices(start, first, req.n, req.n, rt.settings.choices_at_once)
+    base = {"id": f"chatcmpl-{first.session.id[5:21]}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": first.session.model}
+
+    if req.stream:
+        def render(k, run, kind, ev, sent):
+            if kind == "start":
+                delta, finish, lps = {"role": "assistant", "content": ""}, None, None
+            elif kind == "token":
+                delta, finish = {"content": ev["text"]}, None
+                lps = _chat_logprobs(run.tok, [(ev["token"], *ev["logprobs"])]) if "logprobs" in ev else None
+            else:
+                delta, finish, lps = {}, _finish(ev), None
+            return [{**base, "choices": [{"index": k, "delta": delta, "finish_reason": finish, "logprobs": lps}]}]
+        return _streamed(rt, req, base, choices, render)
+
+    bodies = await _gathered(choices)
+    out, usage = [], _usage(0, 0)
+    for k in range(req.n):
+        run, done = bodies[k]
+        lps = None
+        if lp is not None:
+            lps = _chat_logprobs(run.tok, [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))])
+        out.append({"index": k, "message": {"role": "assistant", "content": done["text"]},
+                    "finish_reason": _finish(done), "logprobs": lps})
+        usage = _usage(done["usage"]["prompt_tokens"], usage["completion_tokens"] + done["usage"]["completion_tokens"])
+    return json_body({**base, "object": "chat.completion", "choices": out, "usage": usage,
+                      **({"session_id": first.session.id} if not first.temp else {})})
+
+
+def model_card(rt, name: str, e: Engine) -> dict:
+    """A /v1/models entry. A recurrent model has no context window: max_model_len is what one
+    request may carry (prompt + new tokens), the figure vLLM-style clients size prompts by."""
+    cfg = rt.settings
+    return {"id": name, "object": "model", "created": 0, "owned_by": "linstream",
+            "mixers": list(e.model.cfg.layer_mixers), "parameters": e.model.num_params(),
+            "fingerprint": e.model.fingerprint, "vocab_size": e.model.cfg.vocab_size,
+            "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens, "max_prompt_tokens": cfg.max_prompt_tokens,
+            "max_new_tokens": cfg.max_new_tokens, "state_bytes": e.empty.row_nbytes(0), **footprint(e.model),
+            "weights": cfg.weights, "decode_step": e.stepper.status,
+            "step_kernels": e.stepper.kernels if e.stepper.status == "compiled" else None,
+            "step_runtime": e.stepper.runtime if e.stepper.status == "compiled" else None}
+
+
+@router.get("/models")
+async def models(rt: RT, owner: Owner):
+    return {"object": "list", "data": [model_card(rt, name, e) for name, e in rt.engines.items()]}

@@ -1,0 +1,77 @@
+"""Prometheus metrics (prometheus-client), one registry per app so several apps can coexist."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (.0005, .001, .002, .003, .005, .0075, .01, .015, .02, .03, .05, .075, .1, .2, .5, 1, 2, 5)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("linstream_time_to_first_token_seconds", "Submit to first token", ["model"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("linstream_inter_token_latency_seconds", "Between two tokens of one stream", ["model"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.step_seconds = Histogram("linstream_decode_step_seconds", "One batched decode step", ["model"],
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("linstream_decode_batch_size", "Sessions per decode step", ["model"],
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.tokens = Counter("linstream_tokens_generated", "Tokens generated", ["model"], registry=r)
+        self.prompt_tokens = Counter("linstream_prompt_tokens", "Tokens prefilled", ["model"], registry=r)
+        self.requests = Counter("linstream_requests", "Requests by route and status", ["route", "status"], registry=r)
+        self.sessions = Gauge("linstream_active_sessions", "Sessions held in memory", ["model"], registry=r)
+        self.state_bytes = Gauge("linstream_state_bytes", "Bytes of session state held", ["model"], registry=r)
+        self.queue_depth = Gauge("linstream_queue_depth", "Prefills and generations waiting to start", ["model"],
+                                 registry=r)
+        self.spills = Counter("linstream_sessions_spilled", "Idle sessions whose slot was given to another", ["model"],
+                              registry=r)
+        self.reloads = Counter("linstream_sessions_reloaded", "Sessions brought back from the store", ["model"],
+                               registry=r)
+        self.expired = Counter("linstream_sessions_expired", "Sessions dropped after session_ttl idle", ["model"],
+                               registry=r)
+        self.unpersisted = Gauge("linstream_sessions_unpersisted",
+                                 "Sessions whose latest state could not be written to the store yet", registry=r)
+        self.heap_in_use = Gauge("linstream_heap_in_use_bytes", "Bytes allocated from the C heap and in use", registry=r)
+        self.heap_free = Gauge("linstream_heap_free_bytes", "Bytes the allocator holds beyond those in use",
+                               registry=r)
+        self.rss = Gauge("linstream_resident_memory_bytes", "Resident memory of the server process", registry=r)
+        self.prefix_hits = Counter("linstream_prefix_cache_hits", "Requests started from a cached prefix state (OpenAI, session create)",
+                                   ["model"], registry=r)
+        self.prefix_misses = Counter("linstream_prefix_cache_misses", "Requests with a prompt and no cached prefix of it", ["model"],
+                                     registry=r)
+        self.prefix_tokens_saved = Counter("linstream_prefix_cache_tokens_saved",
+                                           "Prompt tokens not prefilled thanks to the prefix cache", ["model"], registry=r)
+        self.prefix_evictions = Counter("linstream_prefix_cache_evictions", "Prefix states dropped for the byte budget",
+                                        ["model"], registry=r)
+        self.prefix_bytes = Gauge("linstream_prefix_cache_bytes", "Bytes of prefix states held", registry=r)
+        self.prefix_entries = Gauge("linstream_prefix_cache_entries", "Prefix states held", registry=r)
+
+
+class CountRequests:
+    """ASGI middleware: `linstream_requests{route, status}` for every HTTP request, counted when
+    its response ends. The route is its template ("/v1/sessions/{sid}/push"), as FastAPI's router
+    or the hot routes (server/api/hot_routes.py: scope["linstream.route"]) matched it, or "unmatched", so
+    that no client can grow the set of labels; the status is "none" where no response was
+    sent (the client left first)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = "none"
+
+        async def sending(msg):
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = str(msg["status"])
+            await send(msg)
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = scope.get("linstream.route") or getattr(scope.get("route"), "path", None) or "unmatched"
+            rt = getattr(scope["app"].state, "runtime", None)
+            if rt is not None:
+                rt.metrics.requests.labels(route, status).inc()

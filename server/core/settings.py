@@ -1,0 +1,120 @@
+"""Server settings: one pydantic-settings class; environment LINSTREAM_*, overridden by the CLI."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from linstream.model import WEIGHTS
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LINSTREAM_")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # model names (directories under model/weights) or checkpoint paths; the first is the default
+    models: list[str] = Field(default_factory=lambda: ["linear"])
+    # the API's names for those models, in order; a model without one is named after its directory
+    names: list[str] = Field(default_factory=list)
+    device: str = "cpu"  # cpu | cuda | cuda:N: where weights and session states live
+    # weights' dtype: float32 | bfloat16 | float16 (the latter two for Mamba models); session
+    # states stay float32 whatever it is (see model/lm.py LM.init_state)
+    dtype: str = "float32"
+    # projections' weights: float32, int8 (weight-only) or bfloat16, both with bfloat16
+    # activations, CPU and float32 dtype only (model/compiled/lowp.py): a batch-1 decode step streams a
+    # quarter / half of the bytes
+    weights: Literal["float32", "int8", "bfloat16"] = "float32"
+    max_sessions: int = 1024  # recurrent models: sessions held in memory (state slots)
+    max_kv_sessions: int = 4  # KV-cache models: every slot's cache grows to the longest context held
+    max_prompt_tokens: int = 65536  # per create/push/completion request
+    # prompt text per request, checked before tokenizing; 0 = 16 bytes per max_prompt_tokens
+    max_prompt_bytes: int = 0
+    max_new_tokens: int = 4096  # per generate request
+    max_body_bytes: int = 16 << 20  # state blobs (application/octet-stream)
+    # JSON bodies, parsed whole on the event loop; 0 = room for a prompt of max_prompt_bytes with
+    # every byte escaped to 3 (any text but control characters written \u00XX) or for
+    # max_prompt_tokens ids of up to 10 digits ("2147483647, "), whichever is more, plus 64 KiB for other fields
+    max_json_bytes: int = 0
+    prefill_chunk: int = 512  # prefill tokens per slice when no generation is running
+    # while generations run, a prefill slice is sized (by measured costs) to take about this
+    # fraction of a decode step, never under engine.MIN_SLICE tokens; 0 = whole prefill_chunk slices
+    prefill_share: float = Field(0.5, ge=0)
+    max_batch: int = 256  # sessions advanced by one decode step
+    max_queue: int = 256  # generations waiting beyond max_batch; more are refused with 503
+    max_streams_per_key: int = 0  # concurrent generations per API key (0 = unlimited)
+    # an OpenAI request's choices (prompts x n or best_of) generating side by side, each on its
+    # own session; the others wait for one to end
+    choices_at_once: int = Field(16, ge=1)
+    tokens_per_minute_per_key: int = 0  # generated tokens per key per minute (0 = unlimited)
+    stream_send_timeout: float = 30.0  # seconds a client may leave one SSE event unread
+    sse_ping_s: float = Field(5.0, ge=0)  # seconds between keep-alive comments on SSE streams (0 = none)
+    # connections: a request's line and headers must arrive within header_timeout seconds of its
+    # connection opening (or its previous response ending), its body within body_timeout of the
+    # first read; an idle keep-alive connection closes after keep_alive_timeout; connections
+    # beyond max_connections get 503 and are closed (the file-descriptor limit is raised to fit);
+    # a request line and headers longer than max_header_bytes get 431
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keep_alive_timeout: float = 5.0
+    max_connections: int = 1024
+    max_header_bytes: int = 64 << 10
+    graceful_shutdown_s: int = 30  # on SIGTERM: stop accepting, let streams finish this long
+    lookahead: bool = True  # step a token while its event is being sent (rolled back if it never arrives)
+    # OpenAI requests: states kept where requests ended, so a re-sent conversation prefills only
+    # its new part (sessions/prefix_cache.py); a byte budget over all models, LRU; 0 = off
+    prefix_cache_bytes: int = 256 << 20
+    prefix_cache_shared: bool = False  # one cache for every API key (single tenant); else one per key
+    # torch intra-op threads; 0 = auto: one fewer than the CPUs this process may run on, at least
+    # one (the event loop keeps a core: see server/engine/loading.py)
+    threads: int = Field(default=0, ge=0)
+    # decode step: auto = compiled (inductor) once warm, eager meanwhile and without a C++ compiler;
+    # on = the same but a missing compiler is an error; off = eager only (model/compiled/stepper.py)
+    compile: Literal["auto", "on", "off"] = "auto"
+    # the compiled step's float32 projections (model/compiled/gemm.py): own = our AVX-512 / AVX2
+    # kernel (model/kernels), as fast as inductor's template at one row and much faster at large
+    # batches (inductor's where the CPU has neither; it also runs --weights bfloat16's projections);
+    # inductor = its own GEMM template; onednn = oneDNN's matmul, faster than the template at large
+    # batches, slower for one (float32 weights only). Each keeps a row's tokens independent of the load
+    gemm: Literal["own", "inductor", "onednn"] = "own"
+    # how the compiled step is called: aoti = built ahead of time by AOTInductor into a library
+    # called with the GIL released (model/compiled/aot.py; built once, kept in the compile cache), falling
+    # back to dynamo where that build fails; dynamo = torch.compile's function
+    step_runtime: Literal["aoti", "dynamo"] = "aoti"
+    # where snapshots and every session's latest state live: memory, disk:PATH or redis://HOST:PORT/DB
+    store: str = Field(default_factory=lambda: "disk:" + str(Path.home() / ".cache" / "linstream" / "store"))
+    # disk store: changes are refused (503) while fewer bytes than this are free on its file system
+    store_min_free: int = 4 << 20
+    replica_lease: float = 10.0  # with a Redis store: seconds a replica's hold on a session outlives it
+    session_ttl: float = 0.0  # seconds idle before a session expires (0 = never)
+    snapshot_ttl: float = 0.0  # seconds a snapshot is kept (0 = until deleted with the store)
+    api_keys: list[str] = Field(default_factory=list)  # when set, every route but /healthz needs one
+    api_key_file: Path | None = None  # one key per line; '#' starts a comment
+    metrics_public: bool = False  # serve /metrics without a key
+    docs_public: bool = False  # serve /docs, /redoc and /openapi.json without a key
+
+    @model_validator(mode="after")
+    def _derived(self) -> "Settings":
+        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
+            raise ValueError(f"device {self.device!r}: use cpu, cuda or cuda:N")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {self.dtype!r}: use float32, bfloat16 or float16")
+        if self.weights != "float32" and (self.device, self.dtype) != ("cpu", "float32"):
+            raise ValueError(f"{self.weights} weights need device cpu and dtype float32")
+        if self.gemm == "onednn" and (self.device, self.dtype, self.weights) != ("cpu", "float32", "float32"):
+            raise ValueError("--gemm onednn needs device cpu, dtype float32 and float32 weights")
+        if len(self.names) > len(self.models):
+            raise ValueError(f"{len(self.names)} names for {len(self.models)} models")
+        if not self.max_prompt_bytes:
+            self.max_prompt_bytes = 16 * self.max_prompt_tokens
+        if not self.max_json_bytes:
+            self.max_json_bytes = min(self.max_body_bytes,
+                                      max(3 * self.max_prompt_bytes, 12 * self.max_prompt_tokens) + (64 << 10))
+        return self
+
+    def checkpoint(self, name: str) -> Path:
+        p = Path(name)
+        return p if p.is_dir() else WEIGHTS / name

@@ -1,0 +1,57 @@
+"""Loading the served models: one engine (engine/engine.py) per checkpoint, sized by the settings."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from linstream.model.hf import CheckpointError, load_checkpoint
+
+from ..core.metrics import Metrics
+from ..core.settings import Settings
+from .engine import Engine
+
+# The compiled step lets go of the GIL while it runs; to hand its tokens over it needs the GIL
+# back, which a busy event loop yields only after Python's switch interval (5 ms by default,
+# comparable to a whole large-batch step). Half a millisecond bounds that wait: beside a thread
+# that never blocks, a large-batch step keeps most of its speed instead of losing most of it
+# (benchmarks/model_bench.py --step-only measures it, `beside_python`).
+SWITCH_INTERVAL_S = 0.0005
+
+
+def auto_threads() -> int:
+    """torch threads for `threads = 0`: one fewer than the CPUs this process may run on, at least
+    one. torch's own default is every CPU, and then the step's OpenMP threads contend with the
+    event loop for the same cores: on a small machine a stream's inter-token gap and a short
+    prefill take several times as long as with one core left to the loop."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus - 1)
+
+
+def load_engines(settings: Settings, metrics: Metrics) -> dict[str, Engine]:
+    """Served name -> engine, in the order of settings.models (the first is the default).
+    A checkpoint that cannot be served stops the server with a message naming it."""
+    torch.set_num_threads(settings.threads or auto_threads())
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    engines: dict[str, Engine] = {}
+    for i, name in enumerate(settings.models):
+        path = settings.checkpoint(name)
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"no checkpoint for model {name!r} at {path}")
+        try:
+            model, tok = load_checkpoint(path, settings.device, settings.dtype, settings.weights)
+        except (CheckpointError, ValueError) as e:
+            raise SystemExit(f"cannot serve {path}: {e}") from None
+        served = settings.names[i] if i < len(settings.names) else path.name
+        if served in engines:
+            raise SystemExit(f"two models named {served!r}: give one another name with --name")
+        kv = any(b.mixer.time_dims for b in model.blocks)
+        slots = settings.max_kv_sessions if kv else settings.max_sessions
+        engines[served] = Engine(served, model, tok, slots, settings.prefill_chunk, settings.max_batch,
+                                 metrics, settings.lookahead, settings.compile, settings.prefill_share,
+                                 settings.gemm, settings.step_runtime)
+    return engines

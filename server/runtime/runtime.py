@@ -1,0 +1,299 @@
+"""What the routes act on: one `Runtime` per app, a small facade over the objects that each own
+one concern (the routes parse HTTP; these hold the logic):
+
+  engine/loading.py        the served models, one engine each
+  sessions/residency.py    the sessions this process holds, their slots, spilling, leases, persist
+  sessions/records.py      a session's durable form in the store (read, write, forget), snapshots' records
+  sessions/snapshots.py    downloads, snapshots, restores, forks
+  engine/admission.py      who may start a generation now (queue bounds, per-key limits, draining)
+  sessions/prefix_reuse.py the prefix cache in use by the OpenAI routes
+  engine/prompts.py        a prompt's token ids, bounded by the settings and the vocabulary
+  runtime/background.py    the background tasks (expiry, lease renewal, flushing dirty sessions, heap trim)
+  runtime/stream.py        a generation's `Stream` handle (api/streaming.py renders it as SSE / JSON)
+
+Every operation that touches a state goes through the owning engine's thread (`Engine.call`,
+`Engine.prefill`, `Engine.submit`), so no two writers ever meet on one slot.
+
+Durability: every request that changes a session writes it to the store before the session is
+released (its new history tokens, then its record: metadata + constant-size state blob; see
+`Residency.persist` and sessions/session.py), so a session that is not busy is always current in the
+store. That makes spilling free (drop the slot) and makes every acknowledged session survive a
+restart on the same store: unknown ids are looked up there. A stored record that cannot be
+trusted is never loaded: the calls on it answer 500 naming what is wrong, and DELETE removes it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from linstream.model.sampling import SamplingParams
+
+from ..core.auth import Keys, load_keys
+from ..core.errors import APIError, not_found
+from ..core.metrics import Metrics
+from ..core.settings import Settings
+from ..engine.admission import Admission
+from ..engine.engine import Engine
+from ..engine.jobs import Job, NonFiniteState
+from ..engine.loading import load_engines
+from ..engine.prompts import tokens_of
+from ..sessions.leases import Leases
+from ..sessions.prefix_reuse import PrefixReuse
+from ..sessions.records import Records
+from ..sessions.residency import Residency
+from ..sessions.session import Session, SessionDamaged
+from ..sessions.snapshots import Snapshots
+from ..sessions.store import StoreUnavailable, open_store
+from . import background
+from .stream import Stream
+
+log = logging.getLogger("linstream")
+
+
+class Runtime:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.metrics = Metrics()
+        self.store = open_store(settings.store, settings.store_min_free)
+        self.keys = Keys(load_keys(settings.api_keys, settings.api_key_file))
+        self.leases = Leases(settings.store, settings.replica_lease) if settings.store.startswith(("redis", "unix")) else None
+        self.engines: dict[str, Engine] = load_engines(settings, self.metrics)
+        self.default = next(iter(self.engines))
+        self.records = Records(self.store, self.engines, settings, self.metrics, self.leases)
+        self.held = Residency(self.engines, self.records, self.leases, self.metrics)
+        self.sessions = self.held.sessions  # held by this process (resident or spilled)
+        self.copies = Snapshots(self.engines, self.held, self.records)
+        self.admission = Admission(settings)
+        self.reuse = PrefixReuse(settings, self.metrics, self.held)
+        self.prefixes = self.reuse.prefixes
+        self.tasks = background.Tasks()
+        self.loops: list[asyncio.Task] = []
+        self.open: set[Stream] = set()  # generations whose session is not yet released
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.drain_timer: asyncio.TimerHandle | None = None  # ends the generations still running (begin_drain)
+
+    def start(self):
+        self.loop = asyncio.get_running_loop()
+        for e in self.engines.values():
+            e.start()
+        todo = [background.flush_dirty(self.held), background.trim_heap(self.metrics)]
+        if self.settings.session_ttl:
+            todo.append(background.sweep(self.held, self.records, self.metrics, self.settings.session_ttl))
+        if self.leases:
+            todo.append(background.renew_leases(self.held, self.leases))
+        self.loops = [self.spawn(c) for c in todo]
+
+    def begin_drain(self) -> None:
+        """On SIGTERM (called from the signal handler): refuse new generations, let running ones
+        go on, and end those still running shortly before the shutdown grace period runs out,
+        cleanly: each gets its `done` event (finish_reason "shutdown") once its session is
+        written with exactly the tokens it delivered. A timer, not a task: nothing is left to
+        wait for when the server stops before it fires (an idle server exits at once)."""
+        if self.admission.draining or self.loop is None:
+            return
+        self.admission.draining = True
+        grace = self.settings.graceful_shutdown_s
+        end = grace - min(5.0, grace / 2)  # leave time to write every ended session
+        self.loop.call_soon_threadsafe(lambda: setattr(self, "drain_timer", self.loop.call_later(end, self._end_streams)))
+
+    def _end_streams(self) -> None:
+        for st in list(self.open):
+            st.cancel("shutdown")  # its handler ends it at the next token (streaming.events)
+
+    async def stop(self, drain_s: float = 10.0):
+        """Shutdown, after the HTTP server has stopped taking requests and ended its streams:
+        let the generations it cut write their sessions (each keeps exactly what its client
+        received), make a last attempt at sessions the store could not take, then stop."""
+        if self.drain_timer is not None:
+            self.drain_timer.cancel()
+        for t in self.loops:
+            t.cancel()
+        finishing = [t for t in self.tasks.running if t not in self.loops]
+        if finishing:
+            await asyncio.wait(finishing, timeout=drain_s)
+        for s in [s for s in list(self.sessions.values()) if s.dirty and s.slot is not None]:
+            try:
+                await self.held.write(s)
+            except StoreUnavailable:
+                log.error("session %s: store unreachable at shutdown; its state at position %d was never written", s.id, s.position)
+        tasks = list(self.tasks.running)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for e in self.engines.values():
+            e.stop()
+        await self.store.close()
+        if self.leases:
+            await self.leases.close()
+
+    def spawn(self, coro) -> asyncio.Task:
+        return self.tasks.spawn(coro)
+
+    # ---- lookups and validation ----------------------------------------------------------
+    def engine(self, model: str | None) -> Engine:
+        name = model or self.default
+        if name not in self.engines:
+            raise APIError(400, "unknown_model", f"model {name!r} is not served; served: {sorted(self.engines)}")
+        return self.engines[name]
+
+    async def tokens_of(self, eng: Engine, text: str | None, tokens: list[int] | None) -> list[int]:
+        return await tokens_of(eng, text, tokens, self.settings)
+
+    async def prompt_tokens(self, eng: Engine, owner: str, text: str) -> list[int]:
+        return await self.reuse.prompt_tokens(eng, owner, text)
+
+    async def start_from_prefix(self, eng: Engine, owner: str, ids: list[int], follow: str = "", reuse: bool = True,
+                                text: str | None = None) -> Session:
+        """A temporary session for one OpenAI request, from the longest cached prefix (PrefixReuse.start)."""
+        return await self.reuse.start(eng, owner, ids, follow, reuse, text)
+
+    def admit(self, eng: Engine, owner: str) -> None:
+        self.admission.admit(eng, owner)
+
+    def describe(self, s: Session) -> dict:
+        eng = self.engines[s.model]
+        return {"id": s.id, "model": s.model, "position": s.position,
+                "state_bytes": eng.row_nbytes(s.slot) if s.slot is not None else s.state_bytes,
+                "created_at": s.created_at, "last_used_at": s.last_used_at, "resident": s.slot is not None,
+                "busy": s.busy}
+
+    def owned(self, owner: str) -> list[Session]:
+        return [s for s in list(self.sessions.values()) if s.owner == owner]
+
+    def refresh_gauges(self):
+        m = self.metrics
+        for name, eng in self.engines.items():
+            held = [s for s in self.sessions.values() if s.model == name and s.slot is not None]
+            m.sessions.labels(name).set(len(held))
+            m.state_bytes.labels(name).set(sum(eng.row_nbytes(s.slot) for s in held))
+            m.queue_depth.labels(name).set(eng.queue_depth)
+        try:
+            with open("/proc/self/statm") as f:
+                m.rss.set(int(f.read().split()[1]) * 4096)
+        except OSError:
+            pass
+
+    async def find(self, sid: str, owner: str) -> Session:
+        return await self.held.find(sid, owner)
+
+    def use(self, sid: str, owner: str, release: bool = True):
+        """Exclusive use of a resident session for one request (Residency.use)."""
+        return self.held.use(sid, owner, release)
+
+    def hold(self, s: Session, release: bool = True):
+        """`use`, for a session already found."""
+        return self.held.hold(s, release)
+
+    # ---- session operations --------------------------------------------------------------
+    async def create(self, model: str | None, text: str | None, tokens: list[int] | None, owner: str = "",
+                     ephemeral: bool = False) -> Session:
+        eng = self.engine(model)
+        ids = await self.tokens_of(eng, text, tokens)
+        if not ephemeral:
+            await self.store.ping()
+        n, state = self.prefixes.lookup(eng.name, self.reuse.scope(owner), ids)
+        s = await self.held.new(eng, owner, state, ids[:n], ephemeral=ephemeral)
+        await self.held.created(s, lambda: self.push(s, ids[n:]))
+        return s
+
+    async def push(self, s: Session, ids: list[int], logprobs: int | None = None):
+        """Advance the session over ids (chunked prefill, interleaved with others' decode), then
+        persist it. -> (ms the prefill took, its engine job or None)."""
+        eng = self.engines[s.model]
+        t0 = time.perf_counter()
+        try:
+            job = await eng.prefill(s.slot, ids, logprobs, read=not s.ephemeral) if ids else None
+        except NonFiniteState as e:  # the session's state (a restored one) cannot take these tokens
+            raise APIError(422, "non_finite_state", str(e)) from None
+        s.tokens.extend(ids)
+        self.metrics.prompt_tokens.labels(s.model).inc(len(ids))
+        if ids:
+            await self.reuse.cache_prompt(s, eng)
+        ms = 1000 * (time.perf_counter() - t0)
+        try:
+            await self.held.persist(s, job and job.state, finite=job is not None)
+        except StoreUnavailable as e:
+            raise StoreUnavailable(f"{e}; the {len(ids)} tokens were applied: the session is at position {s.position} "
+                                   "in this server's memory and is written to the store when it is back") from None
+        return ms, job
+
+    def generate(self, s: Session, params: SamplingParams, logprobs: int | None = None) -> Stream:
+        """Submit a generation. The session stays busy until `finish_generation` has persisted
+        the state over exactly the tokens the client received."""
+        if s.position == 0:
+            raise APIError(400, "empty_session", "the session holds no tokens yet: push a prompt first")
+        eng = self.engines[s.model]
+        self.admission.admit(eng, s.owner)
+        self.admission.opened(s.owner)
+
+        def finished(j: Job):  # engine thread
+            self.admission.closed(s.owner, j.emitted)
+            if not s.ephemeral:  # the row is final: read it now, saving persist a round trip
+                j.state = eng.read(j.slot)
+        job = Job(s.slot, params, asyncio.get_running_loop(), logprobs, finished)
+        eng.submit(job)
+        st = Stream(job, eng, s, lambda: self.finish_generation(st), self.spawn)
+        self.open.add(st)
+        return st
+
+    async def finish_generation(self, st: Stream) -> None:
+        """After the engine has finished the job: persist, then release the session (an
+        ephemeral one, made for a single OpenAI request, is deleted instead)."""
+        job, s = st.job, st.session
+        try:
+            await job.finished.wait()
+            if job.yielded < job.consumed:  # its last token was stepped ahead of delivery and never left
+                job.state = await st.eng.call(lambda: st.eng.take_back(job, read=not s.ephemeral))
+            job.saved = None
+            extra = job.yielded - job.consumed
+            if job.finish == "error" and extra > 0:  # handed over, but the step taking it failed
+                del s.tokens[len(s.tokens) - extra:]
+                job.yielded = job.consumed
+                job.error += f"; the last {extra} token(s) sent could not be applied and are not part of the session"
+            await self.held.persist(s, job.state)
+            if s.id in self.reuse.turns and job.finish != "error":
+                await self.reuse.cache_turn(s, st.eng, job)
+        finally:
+            self.open.discard(st)
+            s.last_used_at = time.time()
+            await self.held.release(s)
+            if s.ephemeral:
+                await self.delete(s)
+
+    async def state_blob(self, s: Session) -> bytes:
+        return await self.copies.state_blob(s)
+
+    async def snapshot(self, s: Session):
+        return await self.copies.take(s)
+
+    async def restore_snapshot(self, snapshot_id: str, owner: str) -> Session:
+        meta, blob = await self.records.snapshot(snapshot_id, owner)
+        return await self.restore(blob, meta["model"], owner)
+
+    async def restore(self, blob: bytes, model: str | None = None, owner: str = "") -> Session:
+        return await self.copies.restore(blob, self.engine(model) if model else None, owner)
+
+    async def fork(self, s: Session) -> Session:
+        return await self.copies.fork(s)
+
+    async def remove(self, sid: str, owner: str) -> None:
+        """DELETE: works on a session whose stored record is damaged too (its owner checked from
+        the record's metadata where that is readable; where not, the unguessable id is all the
+        proof there is, and the record can serve no one)."""
+        try:
+            s = await self.find(sid, owner)
+        except SessionDamaged as e:
+            if e.owner is not None and e.owner != owner:
+                raise not_found("session", sid) from None
+            await self.records.forget(sid)
+            log.warning("session %s: damaged record deleted (%s)", sid, e.message)
+            return
+        await self.held.written(s)  # a write-back before its slot is given up: not a request, no 409
+        if s.busy:
+            raise APIError(409, "session_busy", f"session {sid!r} is serving another request; retry when it ends")
+        await self.delete(s)
+
+    async def delete(self, s: Session) -> None:
+        self.reuse.turns.pop(s.id, None)
+        await self.held.delete(s)
