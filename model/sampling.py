@@ -10,7 +10,7 @@ the same tokens with less work (a full sort of every row costs about as much as 
 large batches): `logits_to_probs` gives the same probabilities bit for bit with numpy's sort,
 rows without filters skip the sort altogether (`_draw_plain`), and rows with top-k / top-p find
 the reference's own cut and draw over the kept tokens only (`_draw_filtered`).
-`benchmarks/sampling_bench.py` prints them against the reference.
+`python -m benchmarks.model.sampler` prints them against the reference.
 
 Shapes: B rows of the batch, V vocabulary; N the rows a helper is given (a subset of B).
 """
@@ -109,7 +109,8 @@ def _ranked(x: Tensor, head: int | None = None) -> Tensor:
     """For (B, V) float32 on the CPU: with head None, the values of x.sort(dim=-1, descending=True);
     else the tokens of its first `head` ranks (B, head), the order among equal values aside.
     numpy's vectorised sort is much cheaper than torch's on the CPU at these sizes, and its
-    argpartition plus an argsort of the head (up to 512) cheaper still (benchmarks/sampling_bench.py)."""
+    argpartition plus an argsort of the head (up to 512) cheaper still (`python -m
+    benchmarks.model.sampler`)."""
     neg = np.negative(x.detach().numpy())  # ascending order of -x is descending order of x
     if head is None:
         return torch.from_numpy(np.negative(np.sort(neg, axis=-1)))

@@ -1,7 +1,7 @@
 """Timing the model in-process: a real state at a given position, and seconds per decode step.
-Used by the in-process benchmarks (benchmarks/model_bench.py, benchmarks/models_table.py, ...)
+Used by the in-process benchmarks (benchmarks.model.decode, benchmarks.model.table, ...)
 and by `linstream bench latency`'s in-process column; and the same figure for a transformers
-model's `generate`, the peer both compare against (benchmarks/peers_hf.py, `bench latency`)."""
+model's `generate`, the peer both compare against (benchmarks.peers.hf_peer, `bench latency`)."""
 from __future__ import annotations
 
 import time

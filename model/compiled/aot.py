@@ -5,9 +5,10 @@ interface.
     step = AotStep.build(model, options, min_rows, max_rows, cache_dir)   # a cache hit: dlopen only
     logits, layers = step(tokens, layers, position)                     # LM.step_layers' contract
 
-Why not the torch.compile'd function stepper.py also builds (the same inductor kernels, the
-same settings): calling that goes through dynamo's frame wrapper and AOTAutograd's runtime wrapper
-first, a real share of a one-row step (benchmarks/aoti_step.py measures where that step's time goes).
+Why not the torch.compile'd function stepper.py also builds (the same inductor kernels, the same
+settings): calling that goes through dynamo's frame wrapper and AOTAutograd's runtime wrapper
+first, a real share of a one-row step (`python -m benchmarks.model.aoti_step` measures where that
+step's time goes).
 The library is called with ctypes, which lets go of the GIL for the length of the call (torch's
 own package loader holds it), so a server's event loop keeps running beside the step.
 

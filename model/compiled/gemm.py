@@ -6,7 +6,7 @@
 panels of 32 columns (float32, or bfloat16 / int8 for `--weights bfloat16 / int8`), called from
 the step built ahead of time through its C shim. At one row it streams the weights as fast as
 inductor's template; at large batches it is much faster than the template, about as fast as
-MKL's sgemm (`python benchmarks/model_bench.py --step-only --threads 1 --gemm inductor own
+MKL's sgemm (`python -m benchmarks.model.decode --step-only --threads 1 --gemm inductor own
 --step-batches 1 4 64` puts the three side by side). Where the CPU has neither ISA or the build
 fails, the step runs inductor's template instead, with a log line.
 "inductor" is inductor's own C++ GEMM template over weights it packs at compile
@@ -16,7 +16,7 @@ large batch leaves most of the CPU's arithmetic unused. "onednn" is oneDNN's mat
 reordered once into its blocked layout (`mkldnn._reorder_linear_weight`,
 `mkldnn._linear_pointwise`): its JIT kernels keep an AVX-512 CPU busy at any row count, so a
 large-batch step is faster than the template's, but each call carries a fixed cost of its own,
-which makes a one-row step slower. `python benchmarks/model_bench.py --step-only --threads 1
+which makes a one-row step slower. `python -m benchmarks.model.decode --step-only --threads 1
 --gemm inductor onednn --step-batches 1 4 8 16 64` measures both and where they cross (a few
 rows).
 

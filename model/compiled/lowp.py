@@ -15,17 +15,17 @@ embedding, norms, the mixers' recurrences and their state, the residual stream, 
 projections whose input width is not a multiple of 16 (the kernel reads a row 16 at a time: other
 widths crash it or come back wrong).
 Small projections count too: mamba's 32-wide x_proj in float32 goes to oneDNN in the compiled
-step, a noticeable share of its step. benchmarks/lowp_matmul.py measures why this kernel and not
-another: bfloat16 weights through inductor's GEMM template barely shorten a compiled step at one
-row, where this kernel shortens it clearly, with held-out bits per byte as float32's (its --bpb);
-with float32 inputs the same kernel is far slower than float32.
+step, a noticeable share of its step. `python -m benchmarks.model.lowp_matmul` measures why this
+kernel and not another: bfloat16 weights through inductor's GEMM template barely shorten a
+compiled step at one row, where this kernel shortens it clearly, with held-out bits per byte as
+float32's (its --bpb); with float32 inputs the same kernel is far slower than float32.
 The kernel treats every row alone with the same order of additions, so the compiled step stays
 bit-identical per row across batch sizes (tests/model/test_lowp.py).
 "bfloat16" holds each projection's weights in bfloat16 (half the bytes of float32), its input
 rounded to bfloat16 and its result float32: inductor's bfloat16 GEMM template in the compiled
-step (row-exact like the float32 one), aten's bfloat16 matmul eagerly. int8 is the quicker of
-the two at one row (benchmarks/lowp_matmul.py times compiled batch-1 steps with each, and with
-float32).
+step (row-exact like the float32 one), aten's bfloat16 matmul eagerly. int8 is the quicker of the
+two at one row (`python -m benchmarks.model.lowp_matmul` times compiled batch-1 steps with each,
+and with float32).
 """
 from __future__ import annotations
 

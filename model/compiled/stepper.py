@@ -15,7 +15,7 @@ through the same micro-kernel with the same order of additions whatever the batc
 logits and state are bit-identical from one row to hundreds (tests/model/test_compiled.py). MKL takes a
 GEMV path below 4 rows, with other low bits, and repacks the weights on every call. At one row the
 packed kernel streams the weights about as fast as that GEMV (the compiled step well ahead of the
-eager one); at large batches it is slower than MKL's GEMM (`python benchmarks/model_bench.py
+eager one); at large batches it is slower than MKL's GEMM (`python -m benchmarks.model.decode
 --step-only` measures both). A batch of one is
 padded to MIN_ROWS = 2 rows, because a symbolic dim is specialised at size 1 (a second compile).
 Inductor keeps a few matmuls out of the template (mamba's 32-wide x_proj goes to oneDNN's packed

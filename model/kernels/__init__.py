@@ -11,7 +11,7 @@ several panels at once.
 Each output is one FMA chain over k from zero and then its bias, so a row's bits never depend on
 the rows beside it (batch invariance), nor on which of the two builds ran it: the same property
 inductor's own GEMM template has, at several times its speed at large batches with AVX-512
-(benchmarks/own_gemm.py measures both).
+(`python -m benchmarks.model.own_gemm` measures both).
 
 AOTInductor calls it straight from the generated step through its C shim
 (`aoti_torch_cpu_packed_linear`, listed in `aot_inductor.custom_ops_to_c_shims`): no dispatcher,

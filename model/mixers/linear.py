@@ -28,9 +28,10 @@ from .common import ConvQKV
 
 def feature_map(x: Tensor) -> Tensor:
     """elu(x) + 1. Compiled, it is written as exp(x) for x <= 0: inductor recomputes it inside the
-    state update's loops, where a scalar exp costs far less than elu's expm1 (`python
-    benchmarks/model_bench.py --step-only` puts the compiled step beside its bare matmuls). Eagerly
-    the two-op form is cheaper. The clamp keeps the unused branch finite (its gradient 0, not NaN)."""
+    state update's loops, where a scalar exp costs far less than elu's expm1 (`python -m
+    benchmarks.model.decode --step-only` puts the compiled step beside its bare matmuls). Eagerly
+    the two-op form is cheaper. The clamp keeps the unused branch finite (its gradient 0, not
+    NaN)."""
     if torch.compiler.is_compiling():
         return torch.where(x > 0, x + 1, torch.exp(x.clamp(max=0)))
     return F.elu(x) + 1

@@ -3,9 +3,9 @@ completions and chat completions.
 
 FastAPI's request machinery (routing, solving the dependencies, validating the body, wrapping
 the response) costs about as much as the route's own work for a 1-token push or completion
-(benchmarks/request_cpu.py measures a request's CPU from /proc). These routes are what a client
-calls per turn, so they are matched here first, by method and path, and served by the
-same route functions FastAPI would call, with the same schemas and the same error bodies.
+(`python -m benchmarks.serving.request_cpu` measures a request's CPU from /proc). These routes
+are what a client calls per turn, so they are matched here first, by method and path, and served
+by the same route functions FastAPI would call, with the same schemas and the same error bodies.
 
 Only a body that FastAPI would take the same way is served here: JSON (no content type, or
 application/json) that orjson parses and the route's schema accepts. Anything else (no body, a

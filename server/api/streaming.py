@@ -29,7 +29,8 @@ class _Stream(EventSourceResponse):
     async def _send_with_timeout(self, send, message) -> None:
         """sse-starlette's per-send timeout, timed by asyncio's own timer: its anyio cancel scope
         (backend sniffing, a scope tied to the task) is a real share of the event loop's CPU per
-        token at one stream (benchmarks/thread_cpu.py measures that CPU per thread)."""
+        token at one stream (`python -m benchmarks.serving.thread_cpu` measures that CPU per
+        thread)."""
         if self.send_timeout is None:
             return await send(message)
         try:

@@ -2,10 +2,10 @@
 
 Each decode step at a large batch allocates and frees many MB of tensors whose sizes change with
 the batch, and each request a state blob. glibc's malloc keeps much of that in its per-thread
-arenas, so the resident size of a busy server drifts up although nothing is leaked
-(benchmarks/soak.py shows it: the live heap stays flat while RSS grows). jemalloc, preloaded with
-LD_PRELOAD (the Docker image does), returns freed pages on its own and keeps RSS close to the
-live heap; this module then reads its counters instead of glibc's.
+arenas, so the resident size of a busy server drifts up although nothing is leaked (`python -m
+benchmarks.robustness.soak` shows it: the live heap stays flat while RSS grows). jemalloc,
+preloaded with LD_PRELOAD (the Docker image does), returns freed pages on its own and keeps RSS
+close to the live heap; this module then reads its counters instead of glibc's.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from .engine import Engine
 # back, which a busy event loop yields only after Python's switch interval (5 ms by default,
 # comparable to a whole large-batch step). Half a millisecond bounds that wait: beside a thread
 # that never blocks, a large-batch step keeps most of its speed instead of losing most of it
-# (benchmarks/model_bench.py --step-only measures it, `beside_python`).
+# (`python -m benchmarks.model.decode --step-only` measures it, `beside_python`).
 SWITCH_INTERVAL_S = 0.0005
 
 

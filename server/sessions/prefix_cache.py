@@ -5,7 +5,8 @@ Where an OpenAI request ended (the end of its prompt, the end of its completion)
 state is kept, keyed by the exact token ids it has consumed. A new request starts from the
 longest kept prefix of its own ids and prefills only the rest. A recurrent model's state is the
 same size at any position, so however long a chat grows, a turn costs its own prefill, not the
-whole history's (benchmarks/prefix_chat.py measures turn latency as a chat grows).
+whole history's (`python -m benchmarks.serving.prefix_chat` measures turn latency as a chat
+grows).
 
 Keys: sha256 over (model, scope, the prefix's ids as int32), walked once over a request's ids
 and read at every length the scope holds, so a lookup costs O(prompt) hashing and never compares

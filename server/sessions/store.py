@@ -212,11 +212,11 @@ class DiskStore:
 
     @staticmethod
     async def _run(nbytes: int, fn, *args) -> None:
-        """A write of up to INLINE_WRITE bytes runs here, on the event loop; a larger one (a long
-        KV cache's record) in a worker thread. A session record's write and fsync are short, and
+        """A write of up to INLINE_WRITE bytes runs here, on the event loop; a larger one (a long KV
+        cache's record) in a worker thread. A session record's write and fsync are short, and
         handing them to a worker costs more than that in the hop and the GIL hand-offs back: short
-        requests are quicker with the write here, and many clients' tokens/s is no lower
-        (`benchmarks/aggregate_ab.py --requests`, disk stores, compares the two taking turns)."""
+        requests are quicker with the write here, and many clients' tokens/s is no lower (`python -m
+        benchmarks.serving.aggregate_ab --requests`, disk stores, compares the two taking turns)."""
         if nbytes <= INLINE_WRITE:
             fn(*args)
         else:
