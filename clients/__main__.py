@@ -1,4 +1,4 @@
-"""`python -m clients`: the client commands of `linstream` (`python -m linstream` adds `serve`)."""
+"""`python -m linstream.clients`: the client commands of `linstream` (`python -m linstream` adds `serve`)."""
 from .cli import main
 
 main()

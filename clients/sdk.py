@@ -1,6 +1,6 @@
 """Python SDK for linstream, sync (`Client`) and async (`AsyncClient`), on httpx + httpx-sse.
 
-    from clients.sdk import Client
+    from .sdk import Client
     c = Client()                                  # LINSTREAM_URL, LINSTREAM_API_KEY, LINSTREAM_TIMEOUT
     s = c.create_session(prompt="ROMEO:\\n")
     stream = c.generate(s["id"], max_tokens=50)

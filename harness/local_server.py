@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from clients.sdk import Client
+from linstream.clients.sdk import Client
 
 
 def wait_until_up(proc: subprocess.Popen, url: str, within: float) -> bool:

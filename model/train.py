@@ -1,7 +1,7 @@
 """Train a mixer on the Shakespeare corpus and write a checkpoint directory.
 
-    python -m model.train --mixer linear --minutes 15 --out model/weights/linear
-    python -m model.train --mixer gla --steps 602 --minutes 40 --out model/weights/gla
+    python -m linstream.model.train --mixer linear --minutes 15 --out model/weights/linear
+    python -m linstream.model.train --mixer gla --steps 602 --minutes 40 --out model/weights/gla
 
 `--minutes` alone trains for that wall-clock time; with `--steps` it trains exactly that many
 batches (the same tokens for every mixer) and `--minutes` is only a safety cap.
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"mixer": a.mixer, "parameters": model.num_params(), "tokens_trained": seen,
             "bytes_trained": round(seen * bytes_per_token), "steps": s, "wall_seconds": round(wall, 1),
             "threads": a.threads, "held_out_bits_per_byte": round(bpb, 4), "seed": a.seed,
-            "command": "python -m model.train " + " ".join(argv if argv is not None else sys.argv[1:])}
+            "command": "python -m linstream.model.train " + " ".join(argv if argv is not None else sys.argv[1:])}
     model.save(a.out, extra=meta)
     shutil.copy(TOKENIZER, Path(a.out) / "tokenizer.json")
     print(json.dumps(meta, indent=2), flush=True)

@@ -5,23 +5,23 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
-from fastapi.openapi.utils import get_openapi
 
-from . import errors
-from .connections import BodyTimeout
-from .errors import BodyTooLarge, body
-from .hot import HotRoutes
-from .metrics import CountRequests
-from .routes import docs, openai, sessions, system
-from .runtime import Runtime
-from .schemas import Restore
-from .settings import Settings
+from .api.connections import BodyTimeout
+from .api.hot_routes import HotRoutes
+from .api.routes import docs, openai, sessions, system
+from .api.schemas import Restore
+from .core import errors
+from .core.errors import BodyTooLarge, body
+from .core.metrics import CountRequests
+from .core.settings import Settings
+from .runtime.runtime import Runtime
 
 # The playground page: static files shipped with the package, public like any page (they hold no
 # data); the API calls it makes carry the key the user types in.
-STATIC = Path(__file__).parent / "static"
+STATIC = Path(__file__).parent / "api" / "static"
 
 
 class BodyLimit:

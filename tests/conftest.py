@@ -2,9 +2,8 @@ import os
 
 import pytest
 import torch
-
-from model.config import PRESETS
-from model.lm import LM
+from linstream.model.config import PRESETS
+from linstream.model.lm import LM
 
 # tests use an in-memory store unless they ask for another (the default is a directory in $HOME)
 os.environ.setdefault("LINSTREAM_STORE", "memory")

@@ -6,11 +6,11 @@ import shutil
 from pathlib import Path
 
 import torch
+from linstream.model import WEIGHTS
+from linstream.model.config import PRESETS
+from linstream.model.lm import LM
 
 from harness.local_server import LocalServer
-from model import WEIGHTS
-from model.config import PRESETS
-from model.lm import LM
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = WEIGHTS / "tokenizer.json"
@@ -36,10 +36,10 @@ class ServerProcess(LocalServer):
 
 def greedy_from_blob(ckpt: Path, blob: bytes, n: int) -> list[int]:
     """What a session whose state blob is `blob` must generate greedily, computed in-process."""
-    from model.generate import decode_one_token
-    from model.state import State
+    from linstream.model.generate import decode_one_token
+    from linstream.model.snapshot import state_from_bytes
     model = LM.load(ckpt)
-    state = State.from_bytes(blob, model.init_state(1), model.fingerprint)
+    state = state_from_bytes(blob, model.init_state(1), model.fingerprint)
     out = []
     for _ in range(n):
         t = state.next_logits.argmax(-1)

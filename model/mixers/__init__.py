@@ -41,5 +41,4 @@ def build_mixer(name: str, cfg) -> nn.Module:
 
 
 # registration side effect
-from . import fla_deltanet, fla_gla, fla_retnet, fla_rwkv6, fla_rwkv7  # noqa: E402,F401
-from . import gla, linear, mamba, mamba2, performer, retnet, rwkv, rwkv4, softmax  # noqa: E402,F401
+from . import fla_deltanet, fla_gla, fla_retnet, fla_rwkv6, fla_rwkv7, gla, linear, mamba, mamba2, performer, retnet, rwkv, rwkv4, softmax  # noqa: E402,F401  # noqa: E402,F401

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import register
 from ..ops.delta_rule import delta_rule_chunked, delta_rule_step
 from ..ops.naive import delta_rule_naive
+from . import register
 from .fla_common import FlaBlock, Norm, ShortConvs
 
 QK_ACTIVATIONS = {"silu": lambda t: t, "relu": F.relu, "elu": lambda t: F.elu(t) + 1, "identity": lambda t: t}

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import register
-from .fla_common import FlaBlock, Norm, ShortConvs
 from ..ops.gated_attn import gated_attn_chunked, gated_attn_step
 from ..ops.naive import gated_attn_naive
+from . import register
+from .fla_common import FlaBlock, Norm, ShortConvs
 
 GATE_RANK, GATE_NORMALIZER = 16, 16.0  # fla's gate_low_rank_dim and gate_logit_normalizer (not in its config)
 FEATURE_MAPS = {"relu": F.relu, "sigmoid": torch.sigmoid, "swish": F.silu, "silu": F.silu}

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import register
 from ..ops.naive import rwkv7_naive
 from ..ops.rwkv7 import rwkv7_chunked, rwkv7_step
+from . import register
 from .fla_common import token_shift
 
 LOG_DECAY_FLOOR = -math.exp(-0.5)  # fla's -0.6065306597126334: the fastest decay, e^-0.607 per token

@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-
-from clients.sdk import AsyncClient, Client, NotFound, SessionBusy, SnapshotRejected
+from linstream.clients.sdk import AsyncClient, Client, NotFound, SessionBusy, SnapshotRejected
 
 from ..helpers import ROOT, ServerProcess, make_checkpoint
 

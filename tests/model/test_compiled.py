@@ -4,14 +4,14 @@ import threading
 
 import pytest
 import torch
-
-from model.aot import AotStep, library_key
-from model.compiled import AOT_MIN_ROWS, MAX_ROWS, MIN_ROWS, ONEDNN, PACKED, Stepper, compiler_missing
-from model.config import PRESETS
-from model.gemm import GEMMS
-from model.kernels import unavailable
-from model.lm import LM
-from model.state import State
+from linstream.model.compiled import AOT_MIN_ROWS, MAX_ROWS, MIN_ROWS, ONEDNN, PACKED, Stepper, compiler_missing
+from linstream.model.compiled.aot import AotStep, library_key
+from linstream.model.compiled.gemm import GEMMS
+from linstream.model.config import PRESETS
+from linstream.model.kernels import unavailable
+from linstream.model.lm import LM
+from linstream.model.snapshot import state_from_bytes, state_to_bytes
+from linstream.model.state import State
 
 from ..conftest import random_state
 
@@ -145,7 +145,7 @@ def test_snapshot_from_compiled_continues_eagerly(preset):
             logits, state = step(state.next_logits.argmax(-1), state)
             out.append(int(state.next_logits.argmax()))
             if i == 5:  # snapshot and restore between the two paths
-                state = State.from_bytes(state.to_bytes(model.fingerprint), model.init_state(1), model.fingerprint)
+                state = state_from_bytes(state_to_bytes(state, model.fingerprint), model.init_state(1), model.fingerprint)
         return out
 
     start = random_state(model, 1)
@@ -256,9 +256,10 @@ def test_inputs_the_graph_was_not_compiled_for_step_eagerly():
 @pytest.mark.parametrize("gemm", GEMMS)
 def test_golden_greedy_compiled(gemm):
     """The shipped `linear`, stepped by the compiled graph, greedy-decodes the golden literal."""
+    from linstream.model.generate import prefill
+    from linstream.model.tokenizer import Tokenizer
+
     from .test_golden import CKPT, GOLDEN_IDS, PROMPT
-    from model.generate import prefill
-    from model.tokenizer import Tokenizer
     model = LM.load(CKPT)
     st = Stepper(model, "on", background=False, gemm=gemm)
     s = prefill(model, Tokenizer(CKPT / "tokenizer.json").encode(PROMPT), model.init_state(1))

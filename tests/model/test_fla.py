@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from linstream.model.hf import CheckpointError, load_checkpoint
+from linstream.model.ops.delta_rule import delta_rule_chunked, delta_rule_step
+from linstream.model.ops.naive import delta_rule_naive
+from linstream.model.snapshot import state_from_bytes, state_to_bytes
 from safetensors.torch import load_file
-
-from model.hf import CheckpointError, load_checkpoint
-from model.ops.delta_rule import delta_rule_chunked, delta_rule_step
-from model.ops.naive import delta_rule_naive
-from model.state import State
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "fla"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
@@ -103,7 +102,7 @@ def test_bfloat16_weights_keep_float32_state(name):
     assert all(t.dtype == torch.float32 for layer in state.layers for t in layer.values())
     assert got.dtype == torch.float32 and (got - want).abs().max() < 0.12 * want.abs().max()
     _, f32 = model(tokens[:, :20], model.init_state(1))
-    moved = State.from_bytes(f32.to_bytes(model.fingerprint), low.init_state(1), low.fingerprint)
+    moved = state_from_bytes(state_to_bytes(f32, model.fingerprint), low.init_state(1), low.fingerprint)
     a, after = low.step(tokens[0, 20:21], moved)
     b, _ = model.step(tokens[0, 20:21], f32)
     assert (a - b).abs().max() < 0.12 * b.abs().max()
@@ -119,8 +118,8 @@ def test_float16_is_refused_for_fla_checkpoints():
 def test_snapshot_restores_exactly(fixture):
     model, tokens, _, _ = fixture
     _, state = model(tokens[:, :20], model.init_state(1))
-    blob = state.to_bytes(model.fingerprint)
-    restored = State.from_bytes(blob, model.init_state(1), model.fingerprint)
+    blob = state_to_bytes(state, model.fingerprint)
+    restored = state_from_bytes(blob, model.init_state(1), model.fingerprint)
     a, _ = model(tokens[:, 20:], state)
     b, _ = model(tokens[:, 20:], restored)
     assert torch.equal(a, b)
@@ -198,9 +197,8 @@ async def test_served_with_sessions_fork_and_restore():
     """The three architectures served side by side: a session's greedy tokens are the model's
     own, and a fork and a restored snapshot continue identically."""
     import httpx
-
-    from server.app import create_app
-    from server.settings import Settings
+    from linstream.server.app import create_app
+    from linstream.server.core.settings import Settings
     names, prompt = ["gla", "deltanet", "rwkv6", "rwkv7"], "ROMEO:\nBut soft"
     app = create_app(Settings(models=[str(FIXTURES / n) for n in names], max_sessions=8))
     gen = {"stream": False, "temperature": 0, "max_tokens": 12}
@@ -236,8 +234,8 @@ def test_rwkv_compiled_step_equals_eager(name, tmp_path):
     matmul where it builds here), through RWKV-7's block-to-block carry and RWKV-6's per-mix
     up-projection (an einsum over a projection's weight eagerly, our kernel per mix compiled): its
     logits and states from a carried state agree with the eager step (one compile each, ~40-70 s)."""
-    from model.compiled import Stepper, compiler_missing
-    from model.kernels import unavailable
+    from linstream.model.compiled import Stepper, compiler_missing
+    from linstream.model.kernels import unavailable
     if compiler_missing() is not None:
         pytest.skip(compiler_missing())
     model, _ = load_checkpoint(FIXTURES / name)

@@ -5,11 +5,10 @@ import dataclasses
 
 import pytest
 import torch
-
-from model.config import PRESETS
-from model.footprint import footprint
-from model.generate import prefill
-from model.lm import LM
+from linstream.model.config import PRESETS
+from linstream.model.footprint import footprint
+from linstream.model.generate import prefill
+from linstream.model.lm import LM
 
 TINY = [p for p in PRESETS if p.startswith("tiny-")]
 

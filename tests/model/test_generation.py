@@ -1,8 +1,7 @@
 """Prefill + step decode == one full forward; sampling; stop sequences; tokenizer round trip."""
 import torch
-
-from model.generate import Generation, decode_one_token, prefill
-from model.sampling import SamplingParams, StopMatcher, adjust_logits, logits_to_probs, sample
+from linstream.model.generate import Generation, decode_one_token, prefill
+from linstream.model.sampling import SamplingParams, StopMatcher, adjust_logits, logits_to_probs, sample
 
 
 def test_prefill_then_steps_equals_full_forward(tiny):
@@ -81,7 +80,7 @@ def test_generation_respects_max_tokens_and_seed(tiny):
     class Tok:  # a stand-in vocabulary for the tiny model's 64 ids
         token_bytes = [bytes([65 + i % 26]) for i in range(64)]
         eos_ids = frozenset()
-        decoder = lambda self: __import__("model.tokenizer", fromlist=["IncrementalDecoder"]).IncrementalDecoder(self)  # noqa: E731
+        decoder = lambda self: __import__("linstream.model.tokenizer", fromlist=["IncrementalDecoder"]).IncrementalDecoder(self)  # noqa: E731
     params = SamplingParams(max_tokens=9, temperature=0.9, seed=3)
     a = [e.token for e in Generation(tiny, Tok(), s.clone(), params)]
     b = [e.token for e in Generation(tiny, Tok(), s.clone(), params)]

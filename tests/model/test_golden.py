@@ -7,15 +7,14 @@ import httpx
 import pytest
 import pytest_asyncio
 import torch
-
-from model import WEIGHTS
-from model.generate import Generation, prefill
-from model.lm import LM
-from model.sampling import SamplingParams
-from model.tokenizer import Tokenizer
-from model.train import bits_per_byte
-from server.app import create_app
-from server.settings import Settings
+from linstream.model import WEIGHTS
+from linstream.model.generate import Generation, prefill
+from linstream.model.lm import LM
+from linstream.model.sampling import SamplingParams
+from linstream.model.tokenizer import Tokenizer
+from linstream.model.train import bits_per_byte
+from linstream.server.app import create_app
+from linstream.server.core.settings import Settings
 
 CKPT = WEIGHTS / "linear"
 PROMPT = "ROMEO:\nBut soft, what light"

@@ -3,9 +3,8 @@ the eager step. On the CPU the same path runs with a plain call in place of the 
 capture itself runs where a CUDA device is present."""
 import pytest
 import torch
-
-from model.compiled import Stepper
-from model.graphs import GraphStep, buckets
+from linstream.model.compiled import Stepper
+from linstream.model.compiled.graphs import GraphStep, buckets
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -59,8 +58,8 @@ def test_static_buffer_step_matches_eager_in_every_bucket(tiny):
 def test_stepper_steps_pool_rows_in_place_through_the_graph_path():
     """The Stepper's graph branch (as on CUDA, with the plain call for the replay): rows of a slot
     pool step where they lie and give the eager step's logits and state."""
-    from model.config import PRESETS
-    from model.lm import LM
+    from linstream.model.config import PRESETS
+    from linstream.model.lm import LM
     torch.manual_seed(0)
     model = LM(PRESETS["tiny-mamba"]).eval()
     st = Stepper(model, "off")
@@ -81,8 +80,8 @@ def test_stepper_steps_pool_rows_in_place_through_the_graph_path():
 
 @CUDA
 def test_stepper_on_cuda_replays_graphs():
-    from model.config import PRESETS
-    from model.lm import LM
+    from linstream.model.config import PRESETS
+    from linstream.model.lm import LM
     torch.manual_seed(0)
     model = LM(PRESETS["tiny-mamba"]).eval().cuda()
     st = Stepper(model, "on", background=False, max_rows=16)

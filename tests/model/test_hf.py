@@ -7,9 +7,8 @@ import shutil
 
 import pytest
 import torch
-
-from model.hf import CheckpointError, load_checkpoint
-from model.state import State
+from linstream.model.hf import CheckpointError, load_checkpoint
+from linstream.model.snapshot import state_from_bytes, state_to_bytes
 
 from ..helpers import TOKENIZER
 
@@ -124,8 +123,8 @@ def test_snapshot_carries_fingerprint_and_restores_exactly(pair, tmp_path):
     again, _ = load_checkpoint(out)
     assert again.fingerprint == model.fingerprint
     _, state = model(torch.tensor([PROMPTS[2]]), model.init_state(1))
-    blob = state.to_bytes(model.fingerprint)
-    restored = State.from_bytes(blob, again.init_state(1), again.fingerprint)
+    blob = state_to_bytes(state, model.fingerprint)
+    restored = state_from_bytes(blob, again.init_state(1), again.fingerprint)
     a, _ = model.step(torch.tensor([5]), state)
     b, _ = again.step(torch.tensor([5]), restored)
     assert torch.equal(a, b)
@@ -190,7 +189,7 @@ def test_bfloat16_weights_keep_float32_state(arch, tmp_path):
     # one checkpoint, one fingerprint: a float32 server's snapshot restores here and continues
     assert low.fingerprint == model.fingerprint
     _, f32_state = model(ids, model.init_state(1))
-    moved = State.from_bytes(f32_state.to_bytes(model.fingerprint), low.init_state(1), low.fingerprint)
+    moved = state_from_bytes(state_to_bytes(f32_state, model.fingerprint), low.init_state(1), low.fingerprint)
     a, _ = low.step(torch.tensor([3]), moved)
     b, _ = model.step(torch.tensor([3]), f32_state)
     assert (a - b).abs().max() < 0.02 * b.abs().max()
@@ -226,8 +225,8 @@ def test_cuda_snapshot_continues_on_cpu(pair):
     _, model, out = pair
     gpu, _ = load_checkpoint(out, device="cuda")
     _, st = gpu(torch.tensor([PROMPTS[0]]), gpu.init_state(1))
-    blob = st.to_bytes(gpu.fingerprint)
-    on_cpu = State.from_bytes(blob, model.init_state(1), model.fingerprint)
+    blob = state_to_bytes(st, gpu.fingerprint)
+    on_cpu = state_from_bytes(blob, model.init_state(1), model.fingerprint)
     a, _ = gpu.step(torch.tensor([3]), st)
     b, _ = model.step(torch.tensor([3]), on_cpu)
     assert (a.cpu() - b).abs().max() < TOL
@@ -258,9 +257,8 @@ PROMPT = "ROMEO:\nBut soft"
 @pytest.mark.asyncio
 async def test_served_over_the_session_api(hf_dirs):
     import httpx
-
-    from server.app import create_app
-    from server.settings import Settings
+    from linstream.server.app import create_app
+    from linstream.server.core.settings import Settings
     first, second, greedy = hf_dirs
     app = create_app(Settings(models=[str(first), str(second)], names=["tiny-mamba-hf"], max_sessions=4))
     async with app.router.lifespan_context(app):
@@ -284,8 +282,8 @@ async def test_served_over_the_session_api(hf_dirs):
 
 
 def test_server_refuses_a_pickled_checkpoint(tmp_path):
-    from server.runtime import Runtime
-    from server.settings import Settings
+    from linstream.server.core.settings import Settings
+    from linstream.server.runtime.runtime import Runtime
     ref = ARCHS["mamba"]()
     ref.save_pretrained(tmp_path, safe_serialization=True)
     (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
@@ -325,7 +323,7 @@ def test_sharded_checkpoint_loads_like_one_file(tmp_path):
 
 
 def test_low_precision_is_refused_where_the_state_would_not_stay_float32(tmp_path):
-    from model import WEIGHTS
+    from linstream.model import WEIGHTS
     with pytest.raises(CheckpointError, match=r"Mamba, Mamba-2, RWKV-4 and fla mixers only; this model has \['linear'\]"):
         load_checkpoint(WEIGHTS / "linear", dtype="bfloat16")
     with pytest.raises(CheckpointError, match="float16 is not supported for RWKV-4"):
@@ -363,8 +361,8 @@ def test_cli_serves_a_bfloat16_checkpoint_under_its_given_name(hf_dirs):
 def test_compiled_step_matches_transformers(arch, tmp_path):
     """A checkpoint's decode step compiled as the server runs it (our matmul for its projections,
     built ahead of time) gives transformers' logits token by token, and the same greedy tokens."""
-    from model.compiled import Stepper, compiler_missing
-    from model.kernels import unavailable
+    from linstream.model.compiled import Stepper, compiler_missing
+    from linstream.model.kernels import unavailable
     if compiler_missing():
         pytest.skip(compiler_missing())
     ref = perturbed(arch, 0.3)

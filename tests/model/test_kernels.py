@@ -5,8 +5,7 @@ or AVX2)."""
 import pytest
 import torch
 import torch.nn.functional as F
-
-from model.kernels import NR, pack, unavailable
+from linstream.model.kernels import NR, pack, unavailable
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"the kernel cannot run here: {unavailable()}")
 

@@ -7,18 +7,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from linstream.model import WEIGHTS
+from linstream.model.compiled import AOT_MIN_ROWS, Stepper, compiler_missing
+from linstream.model.compiled.gemm import own_kind
+from linstream.model.compiled.lowp import BF16Linear, Int8Linear, to_weights
+from linstream.model.config import PRESETS
+from linstream.model.hf import CheckpointError, load_checkpoint
+from linstream.model.kernels import unavailable
+from linstream.model.lm import LM
+from linstream.model.snapshot import state_from_bytes
+from linstream.model.state import State
+from linstream.model.tokenizer import Tokenizer
 from torch import nn
-
-from model import WEIGHTS
-from model.compiled import AOT_MIN_ROWS, Stepper, compiler_missing
-from model.config import PRESETS
-from model.hf import CheckpointError, load_checkpoint
-from model.lm import LM
-from model.gemm import own_kind
-from model.kernels import unavailable
-from model.lowp import BF16Linear, Int8Linear, to_weights
-from model.state import State
-from model.tokenizer import Tokenizer
 
 from ..conftest import random_state
 
@@ -138,9 +138,8 @@ def test_loading_and_settings():
         load_checkpoint(WEIGHTS / "mamba", dtype="bfloat16", weights="int8")
     with pytest.raises(ValueError, match="weights"):
         to_weights(small("tiny-linear"), "int4")
+    from linstream.server.core.settings import Settings
     from pydantic import ValidationError
-
-    from server.settings import Settings
     assert Settings(weights="int8").weights == "int8"
     assert isinstance(load_checkpoint(WEIGHTS / "linear", weights="bfloat16")[0].blocks[0].mlp.up, BF16Linear)
     with pytest.raises(ValidationError):
@@ -156,9 +155,8 @@ def test_an_int8_server_serves_and_continues_a_float32_snapshot():
     import asyncio
 
     import httpx
-
-    from server.app import create_app
-    from server.settings import Settings
+    from linstream.server.app import create_app
+    from linstream.server.core.settings import Settings
 
     ckpt = WEIGHTS / "linear"
 
@@ -181,7 +179,7 @@ def test_an_int8_server_serves_and_continues_a_float32_snapshot():
     assert (card32["weights"], card8["weights"]) == ("float32", "int8")
     assert card8["fingerprint"] == card32["fingerprint"] and card8["parameters"] == card32["parameters"]
     model, _ = load_checkpoint(ckpt, weights="int8")
-    state = State.from_bytes(blob, model.init_state(1), model.fingerprint)
+    state = state_from_bytes(blob, model.init_state(1), model.fingerprint)
     want = []
     with torch.inference_mode():
         for _ in range(12):

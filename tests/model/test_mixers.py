@@ -2,10 +2,9 @@
 The kernels themselves (model/ops) are tested against their references in tests/model/test_ops.py."""
 import pytest
 import torch
-
-from model.mixers.performer import orthogonal_features
-from model.mixers.retnet import row_scale
-from model.ops.naive import decayed_attn_naive
+from linstream.model.mixers.performer import orthogonal_features
+from linstream.model.mixers.retnet import row_scale
+from linstream.model.ops.naive import decayed_attn_naive
 
 from ..conftest import random_state
 
@@ -63,8 +62,8 @@ def test_state_bytes_constant_for_recurrent(tiny):
 
 
 def test_mamba_parameter_names_match_transformers():
-    from model.config import PRESETS
-    from model.lm import LM
+    from linstream.model.config import PRESETS
+    from linstream.model.lm import LM
     names = {n.split("mixer.", 1)[1] for n, _ in LM(PRESETS["tiny-mamba"]).named_parameters() if ".mixer." in n}
     assert names == {"in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
                      "dt_proj.bias", "A_log", "D", "out_proj.weight"}
@@ -101,8 +100,8 @@ def test_favor_features_estimate_the_softmax_kernel():
 
 
 def test_performer_features_are_saved_with_the_weights(tmp_path):
-    from model.config import PRESETS
-    from model.lm import LM
+    from linstream.model.config import PRESETS
+    from linstream.model.lm import LM
     torch.manual_seed(0)
     m = LM(PRESETS["tiny-performer"]).eval()
     m.save(tmp_path / "p")
@@ -113,8 +112,8 @@ def test_performer_features_are_saved_with_the_weights(tmp_path):
 
 
 def test_hybrid_state_grows_only_in_its_attention_layer():
-    from model.config import PRESETS
-    from model.lm import LM
+    from linstream.model.config import PRESETS
+    from linstream.model.lm import LM
     m = LM(PRESETS["tiny-hybrid"]).eval()
     assert [b.mixer.name for b in m.blocks] == ["linear", "softmax"]
     with torch.no_grad():

@@ -3,18 +3,17 @@ paper-written reference in model/ops/naive.py, on outputs and final state, from 
 non-zero initial state, for lengths below, equal to and not dividing the chunk."""
 import pytest
 import torch
-
-from model.mixers.linear import feature_map
-from model.ops.conv import causal_conv, causal_conv_step
-from model.ops.decayed_attn import (
+from linstream.model.mixers.linear import feature_map
+from linstream.model.ops.conv import causal_conv, causal_conv_step
+from linstream.model.ops.decayed_attn import (
     decayed_attn_chunked,
     decayed_attn_step,
     linear_attn_chunked,
     linear_attn_noncausal,
     linear_attn_step,
 )
-from model.ops.gated_attn import gated_attn_chunked, gated_attn_step
-from model.ops.naive import (
+from linstream.model.ops.gated_attn import gated_attn_chunked, gated_attn_step
+from linstream.model.ops.naive import (
     causal_conv_naive,
     decayed_attn_naive,
     gated_attn_naive,
@@ -26,11 +25,11 @@ from model.ops.naive import (
     ssd_naive,
     wkv_naive,
 )
-from model.ops.rope import rope
-from model.ops.rwkv7 import rwkv7_chunked, rwkv7_step
-from model.ops.selective_scan import selective_scan, selective_scan_step
-from model.ops.ssd import ssd_chunked, ssd_step
-from model.ops.wkv import wkv_chunked, wkv_init, wkv_step
+from linstream.model.ops.rope import rope
+from linstream.model.ops.rwkv7 import rwkv7_chunked, rwkv7_step
+from linstream.model.ops.selective_scan import selective_scan, selective_scan_step
+from linstream.model.ops.ssd import ssd_chunked, ssd_step
+from linstream.model.ops.wkv import wkv_chunked, wkv_init, wkv_step
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 LENGTHS = [(0, 4), (1, 4), (13, 4), (16, 4), (13, 64)]  # (T, chunk): empty, one, not dividing, dividing, one chunk

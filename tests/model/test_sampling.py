@@ -4,9 +4,8 @@ import random
 
 import pytest
 import torch
-
-from model import sampling
-from model.sampling import SamplingParams, logits_to_probs, reference_probs, sample
+from linstream.model import sampling
+from linstream.model.sampling import SamplingParams, logits_to_probs, reference_probs, sample
 
 V = 2048
 
@@ -162,7 +161,7 @@ def test_the_filtered_cut_keeps_the_ranks_the_reference_keeps():
 
 
 def test_finite_rows_finds_each_bad_row():
-    from model.sampling import finite_rows
+    from linstream.model.sampling import finite_rows
     x = torch.randn(4, 50)
     x[1, 7], x[3, 0] = float("nan"), float("-inf")
     assert finite_rows(x) == [True, False, True, False]

@@ -4,21 +4,21 @@ import struct
 
 import pytest
 import torch
-from safetensors.torch import save as st_save
-
-from model.config import PRESETS
-from model.generate import decode_one_token, prefill
-from model.lm import LM
-from model.state import (
+from linstream.model.config import PRESETS
+from linstream.model.generate import decode_one_token, prefill
+from linstream.model.lm import LM
+from linstream.model.snapshot import (
     SnapshotCorrupt,
     SnapshotError,
     SnapshotModelMismatch,
     SnapshotNonFinite,
     SnapshotShapeMismatch,
     SnapshotVersionMismatch,
-    State,
     _digest,
+    state_from_bytes,
+    state_to_bytes,
 )
+from safetensors.torch import save as st_save
 
 from ..conftest import TINY
 
@@ -36,8 +36,8 @@ def test_snapshot_restore_continues_bit_identically(tiny):
     prompt = list(range(1, 30))
     s = prefill(tiny, prompt, tiny.init_state(1))
     _, s = greedy(tiny, s, 5)
-    blob = s.to_bytes(tiny.fingerprint)
-    restored = State.from_bytes(blob, tiny.init_state(1), tiny.fingerprint)
+    blob = state_to_bytes(s, tiny.fingerprint)
+    restored = state_from_bytes(blob, tiny.init_state(1), tiny.fingerprint)
     a, sa = greedy(tiny, s, 20)
     b, sb = greedy(tiny, restored, 20)
     assert a == b
@@ -60,7 +60,7 @@ def model_and_blob(request):
     torch.manual_seed(0)
     m = LM(PRESETS[request.param]).eval()
     s = prefill(m, [1, 2, 3], m.init_state(1))
-    return m, s, s.to_bytes(m.fingerprint)
+    return m, s, state_to_bytes(s, m.fingerprint)
 
 
 def fixed(s, layer: int) -> str:
@@ -69,7 +69,7 @@ def fixed(s, layer: int) -> str:
 
 
 def load(m, blob):
-    return State.from_bytes(blob, m.init_state(1), m.fingerprint)
+    return state_from_bytes(blob, m.init_state(1), m.fingerprint)
 
 
 def rewrite(s, meta_changes=None, tensor_fn=None):
@@ -104,7 +104,7 @@ def test_refuses_other_model(model_and_blob):
     torch.manual_seed(1)
     other = LM(m.cfg).eval()  # same shapes, other weights
     with pytest.raises(SnapshotModelMismatch):
-        State.from_bytes(blob, other.init_state(1), other.fingerprint)
+        state_from_bytes(blob, other.init_state(1), other.fingerprint)
 
 
 def test_refuses_other_version(model_and_blob):
@@ -165,7 +165,7 @@ def test_header_describes_the_state(model_and_blob):
 def test_session_blob_carries_its_history(tiny):
     """session_to_bytes -> session_from_bytes gives back the state and the history as ids; a
     history that does not explain the state, or holds foreign ids, is refused."""
-    from model.state import SnapshotHistoryMismatch, check_history, session_from_bytes, session_to_bytes
+    from linstream.model.snapshot import SnapshotHistoryMismatch, check_history, session_from_bytes, session_to_bytes
     ids = list(range(1, 9))
     s = prefill(tiny, ids, tiny.init_state(1))
     V = tiny.cfg.vocab_size
@@ -184,10 +184,10 @@ def test_session_blob_carries_its_history(tiny):
 
 
 def test_record_blob_refuses_what_would_read_back_damaged(tiny):
-    from model.state import record_blob
+    from linstream.model.snapshot import record_blob
     s = prefill(tiny, [1, 2, 3], tiny.init_state(1))
     why, blob = record_blob(s, tiny.fingerprint, 3)
-    assert why is None and State.from_bytes(blob, tiny.init_state(1), tiny.fingerprint).position.tolist() == [3]
+    assert why is None and state_from_bytes(blob, tiny.init_state(1), tiny.fingerprint).position.tolist() == [3]
     assert record_blob(s, tiny.fingerprint, 4) == ("its state is at position 3, its history covers 4", None)
     s = s.clone()  # prefill made inference tensors
     s.next_logits[0, 0] = float("nan")
@@ -198,9 +198,8 @@ def test_blob_reads_the_same_through_either_writer(tiny):
     """State.to_bytes writes through numpy views where it can (model/state.py `_save`); a tensor
     numpy has no dtype for (bfloat16) takes safetensors' torch writer. Either blob loads back as
     the very tensors and metadata that were saved."""
+    from linstream.model.snapshot import _save
     from safetensors.torch import load as st_load
-
-    from model.state import _save
     s = prefill(tiny, [5, 6, 7], tiny.init_state(1))
     tensors = {f"layers.{i}.{n}": t.contiguous() for i, layer in enumerate(s.layers) for n, t in layer.items()}
     tensors["extra.history"] = torch.arange(3)

@@ -5,9 +5,8 @@ import json
 import httpx
 import pytest
 import pytest_asyncio
-
-from server.app import create_app
-from server.settings import Settings
+from linstream.server.app import create_app
+from linstream.server.core.settings import Settings
 
 from ..helpers import make_checkpoint
 

@@ -4,15 +4,13 @@ import asyncio
 
 import pytest
 import torch
-
-from model.config import PRESETS
-from model.generate import prefill
-from model.lm import LM
-from model.sampling import SamplingParams
-from server.engine import Engine, Job
+from linstream.model.config import PRESETS
+from linstream.model.generate import prefill
+from linstream.model.lm import LM
+from linstream.model.sampling import SamplingParams
+from linstream.server.engine.engine import Engine, Job
 
 from ..conftest import TINY
-
 
 PROMPT = [1, 2, 3, 4, 5]
 
@@ -41,7 +39,7 @@ class Tok:  # the tiny models' 64 ids as single letters
     eos_ids = frozenset()
 
     def decoder(self):
-        from model.tokenizer import IncrementalDecoder
+        from linstream.model.tokenizer import IncrementalDecoder
         return IncrementalDecoder(self)
 
 

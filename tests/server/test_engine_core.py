@@ -6,16 +6,15 @@ import asyncio
 
 import pytest
 import torch
+from linstream.model.config import PRESETS
+from linstream.model.generate import Generation, TextStream, prefill
+from linstream.model.lm import LM
+from linstream.model.sampling import SamplingParams
+from linstream.model.tokenizer import Tokenizer
+from linstream.server.engine.engine import Engine, Job
 
-from model.config import PRESETS
-from model.generate import Generation, TextStream, prefill
-from model.lm import LM
-from model.sampling import SamplingParams
-from model.tokenizer import Tokenizer
-from server.engine import Engine, Job
-
-from .test_engine import Tok
 from ..model.test_golden import CKPT, GOLDEN, GOLDEN_IDS, PROMPT
+from .test_engine import Tok
 
 CHUNK = 64  # the engine's prefill chunk, and Generation's: one prefill pass either way
 

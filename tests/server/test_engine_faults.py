@@ -8,13 +8,12 @@ import json
 import httpx
 import pytest
 import torch
-
-from model.config import PRESETS
-from model.lm import LM
-from model.sampling import SamplingParams, sample
-from server.app import create_app
-from server.engine import Engine, Job
-from server.settings import Settings
+from linstream.model.config import PRESETS
+from linstream.model.lm import LM
+from linstream.model.sampling import SamplingParams, sample
+from linstream.server.app import create_app
+from linstream.server.core.settings import Settings
+from linstream.server.engine.engine import Engine, Job
 
 from ..helpers import make_checkpoint
 from .test_engine import Tok, assert_state_of

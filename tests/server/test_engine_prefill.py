@@ -3,14 +3,13 @@ larger than the budget; the push ends in the state (and greedy continuation) it 
 the stream produces the tokens it produces alone."""
 import asyncio
 
+import linstream.server.engine.engine as engine_mod
 import pytest
 import torch
-
-import server.engine as engine_mod
-from model.config import PRESETS
-from model.lm import LM
-from model.sampling import SamplingParams
-from server.engine import Engine, Job
+from linstream.model.config import PRESETS
+from linstream.model.lm import LM
+from linstream.model.sampling import SamplingParams
+from linstream.server.engine.engine import Engine, Job
 
 from .test_engine import PROMPT, Tok, assert_state_of
 
@@ -92,7 +91,7 @@ async def scenario(model, push: bool, stream: bool):
 
 @pytest.mark.parametrize("preset", ["tiny-linear", "tiny-softmax", "tiny-gla"])
 def test_push_interleaved_with_a_stream_is_sliced_and_changes_nothing(preset, monkeypatch):
-    monkeypatch.setattr(engine_mod, "_ema", lambda avg, x: avg)  # the pinned costs stay
+    monkeypatch.setattr(engine_mod, "ema", lambda avg, x: avg)  # the pinned costs stay
     torch.manual_seed(0)
     model = LM(PRESETS[preset]).eval()
     alone_tokens, *_ = asyncio.run(scenario(model, push=False, stream=True))

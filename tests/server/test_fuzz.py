@@ -10,10 +10,9 @@ import subprocess
 import httpx
 import pytest
 import torch
+from linstream.model.snapshot import _digest
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-
-from model.state import _digest
 
 from ..helpers import ServerProcess, make_checkpoint
 

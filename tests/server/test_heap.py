@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import pytest
-
-from server.heap import Heap
+from linstream.server.core.heap import Heap
 
 PROBE = ("import json; from server.heap import Heap; h = Heap(); before = h.stats(); x = bytearray(64 << 20); "
          "mid = h.stats(); del x; h.trim(); print(json.dumps([h.kind, before, mid, h.stats()]))")

@@ -16,13 +16,13 @@ import pytest
 import safetensors.torch
 import torch
 import uvicorn
+from linstream.server.api.connections import protocol
+from linstream.server.api.routes import openai
+from linstream.server.app import create_app
+from linstream.server.core.errors import APIError
+from linstream.server.core.settings import Settings
 
 from harness.local_server import free_port
-from server.app import create_app
-from server.connections import protocol
-from server.errors import APIError
-from server.routes import openai
-from server.settings import Settings
 
 from ..helpers import ServerProcess, make_checkpoint
 

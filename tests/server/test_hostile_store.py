@@ -12,15 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from linstream.model.lm import LM
+from linstream.model.snapshot import _digest, _read_header, load_session, session_from_bytes
+from linstream.server.app import create_app
+from linstream.server.core.settings import Settings
+from linstream.server.sessions.session import INLINE_TAIL, decode_record, encode_record
+from linstream.server.sessions.store import GROWING_HEAD, DiskStore
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-
-from model.lm import LM
-from model.state import _digest, _read_header, load_session, session_from_bytes
-from server.app import create_app
-from server.sessions import INLINE_TAIL, decode_record, encode_record
-from server.settings import Settings
-from server.store import GROWING_HEAD, DiskStore
 
 from ..helpers import ServerProcess, greedy_from_blob, make_checkpoint
 
@@ -421,8 +420,8 @@ async def test_a_prefill_that_turns_the_state_non_finite_changes_nothing(app, mo
         # a blob that passes every check of the blob alone but poisons its first chunk: contained too
         monkeypatch.setattr(eng, "model", eng.model.model)
         t = {k: v for k, v in st_load(blobs[s["id"]]).items() if not k.startswith("extra.")}
-        monkeypatch.setattr("server.snapshots.session_from_bytes", lambda *a: session_from_bytes(*a[:4], max_abs=None))
-        monkeypatch.setattr("server.snapshots.first_step_nonfinite", lambda model, state: None)
+        monkeypatch.setattr("linstream.server.sessions.snapshots.session_from_bytes", lambda *a: session_from_bytes(*a[:4], max_abs=None))
+        monkeypatch.setattr("linstream.server.sessions.snapshots.first_step_nonfinite", lambda model, state: None)
         r = await c.post("/v1/sessions/restore", content=reblob(blobs[s["id"]], tensors={k: torch.full_like(v, 1e30) for k, v in t.items()}),
                          headers={"Content-Type": "application/octet-stream"})
         assert r.status_code == 201

@@ -3,12 +3,11 @@ as FastAPI's routes do, and hand FastAPI every body they do not take as FastAPI 
 import httpx
 import pytest
 import pytest_asyncio
-
-from server import hot
-from server.app import create_app
-from server.schemas import CreateSession
-from server.schemas_openai import Chat, Completion
-from server.settings import Settings
+from linstream.server.api import hot_routes as hot
+from linstream.server.api.openai_schemas import Chat, Completion
+from linstream.server.api.schemas import CreateSession
+from linstream.server.app import create_app
+from linstream.server.core.settings import Settings
 
 from ..helpers import make_checkpoint
 

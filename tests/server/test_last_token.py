@@ -6,12 +6,11 @@ import asyncio
 import pytest
 import pytest_asyncio
 import torch
-
-from model.generate import prefill
-from model.sampling import SamplingParams
-from server.app import create_app
-from server.settings import Settings
-from server.streaming import events
+from linstream.model.generate import prefill
+from linstream.model.sampling import SamplingParams
+from linstream.server.api.streaming import events
+from linstream.server.app import create_app
+from linstream.server.core.settings import Settings
 
 from ..helpers import make_checkpoint
 

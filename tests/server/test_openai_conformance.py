@@ -265,7 +265,7 @@ def test_sdk_stream_reads_past_keep_alive_comments(server):
     """linstream's own SDK on a stream with pings between its events (every 50 ms here):
     httpx-sse reports a ping that follows an `id:` line as an empty event, which must not end
     the stream with a JSON error."""
-    from clients.sdk import Client
+    from linstream.clients.sdk import Client
     with Client(server.url, timeout=60) as c:
         s = c.create_session(prompt="ROMEO:")
         stream = c.generate(s["id"], max_tokens=400)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import struct
 
-from model.generate import prefill
-from model.state import record_blob
-from server.residency import _checked_blob
+from linstream.model.generate import prefill
+from linstream.model.snapshot import record_blob
+from linstream.server.sessions.residency import _checked_blob
 
 
 def test_checked_blob_is_record_blob_without_the_repeated_check(tiny):

@@ -4,15 +4,14 @@ import httpx
 import pytest
 import pytest_asyncio
 import torch
-
-from model.generate import prefill
-from model.lm import LM
-from model.tokenizer import Tokenizer
-from server.app import create_app
-from server.auth import key_id
-from server.prefix_cache import PrefixCache, as_resent
-from server.schemas_openai import Message, chat_prompt
-from server.settings import Settings
+from linstream.model.generate import prefill
+from linstream.model.lm import LM
+from linstream.model.tokenizer import Tokenizer
+from linstream.server.api.openai_schemas import Message, chat_prompt
+from linstream.server.app import create_app
+from linstream.server.core.auth import key_id
+from linstream.server.core.settings import Settings
+from linstream.server.sessions.prefix_cache import PrefixCache, as_resent
 
 from ..conftest import TINY
 from ..helpers import TOKENIZER, make_checkpoint

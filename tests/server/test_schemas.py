@@ -1,10 +1,9 @@
 """Request bodies make the sampler's parameters themselves (`to_params`); each default is written once."""
 import pytest
-
-from model.sampling import SamplingParams
-from server.errors import APIError
-from server.schemas import DEFAULT_MAX_TOKENS, Generate
-from server.schemas_openai import COMPLETION_MAX_TOKENS, Chat, Completion
+from linstream.model.sampling import SamplingParams
+from linstream.server.api.openai_schemas import COMPLETION_MAX_TOKENS, Chat, Completion
+from linstream.server.api.schemas import DEFAULT_MAX_TOKENS, Generate
+from linstream.server.core.errors import APIError
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 
@@ -42,7 +41,7 @@ def test_to_params_refuses_what_the_server_cannot_serve():
 
 
 def test_gemm_onednn_needs_float32_cpu_weights():
-    from server.settings import Settings
+    from linstream.server.core.settings import Settings
     assert Settings(gemm="onednn").gemm == "onednn"
     for bad in ({"weights": "int8"}, {"dtype": "bfloat16"}, {"device": "cuda"}):
         with pytest.raises(ValueError, match="--gemm onednn needs"):
@@ -54,8 +53,8 @@ def test_gemm_onednn_needs_float32_cpu_weights():
 def test_threads_default_leaves_the_event_loop_a_core(monkeypatch):
     import os
 
-    from server.loading import auto_threads
-    from server.settings import Settings
+    from linstream.server.core.settings import Settings
+    from linstream.server.engine.loading import auto_threads
     assert Settings().threads == 0
     with pytest.raises(ValueError):
         Settings(threads=-1)

@@ -4,9 +4,8 @@ takes goes through untouched."""
 import asyncio
 
 import pytest
+from linstream.server.api.streaming import _Stream
 from sse_starlette.sse import SendTimeoutError
-
-from server.streaming import _Stream
 
 
 async def _gen():

@@ -8,14 +8,16 @@ import asyncio
 import pytest
 import torch
 
-import server.engine as engine_mod
-from model import WEIGHTS
-from model.compiled import Stepper, compiler_missing
-from model.config import PRESETS
-from model.generate import decode_one_token, prefill, prefill_by_steps, prefill_chunk
-from model.lm import LM
-from model.sampling import SamplingParams
-from server.engine import STEP_PREFILL, Engine, Job, NonFiniteState, _logprob_entries
+import linstream.server.engine.engine as engine_mod
+from linstream.model import WEIGHTS
+from linstream.model.compiled import Stepper, compiler_missing
+from linstream.model.config import PRESETS
+from linstream.model.generate import decode_one_token, prefill, prefill_by_steps, prefill_chunk
+from linstream.model.lm import LM
+from linstream.model.sampling import SamplingParams
+from linstream.server.engine.engine import STEP_PREFILL, Engine
+from linstream.server.engine.jobs import Job, NonFiniteState
+from linstream.server.engine.jobs import logprob_entries as _logprob_entries
 
 from .test_engine import PROMPT, Tok, assert_state_of
 

@@ -7,12 +7,11 @@ import asyncio
 
 import pytest
 import torch
-
-from model.compiled import Stepper, compiler_missing
-from model.config import PRESETS
-from model.lm import LM
-from model.sampling import SamplingParams
-from server.engine import Engine, Job
+from linstream.model.compiled import Stepper, compiler_missing
+from linstream.model.config import PRESETS
+from linstream.model.lm import LM
+from linstream.model.sampling import SamplingParams
+from linstream.server.engine.engine import Engine, Job
 
 from .test_engine import Tok
 

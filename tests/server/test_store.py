@@ -9,10 +9,9 @@ import uuid
 import httpx
 import pytest
 import pytest_asyncio
-
-from server.app import create_app
-from server.settings import Settings
-from server.store import DiskStore, MemoryStore, RedisStore, StoreError
+from linstream.server.app import create_app
+from linstream.server.core.settings import Settings
+from linstream.server.sessions.store import DiskStore, MemoryStore, RedisStore, StoreError
 
 from ..helpers import ServerProcess, greedy_from_blob, make_checkpoint
 

@@ -1,0 +1,159 @@
+"""Request bodies of the OpenAI-compatible routes, bounded like every body (schemas.py): a value
+out of range is a 422 naming the field. Fields OpenAI defines that this server cannot honour
+(tools, a JSON response format, suffix) are parsed so that `unsupported` can refuse them with a
+400 naming them, rather than ignored into a silent 200."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from linstream.model.sampling import SamplingParams
+
+from ..core.errors import APIError
+from .schemas import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, Body, Name, Prompt, Sampling, Tokens
+
+MAX_N = 16  # choices per prompt (n, best_of)
+MAX_PROMPTS = 128  # prompts in one completions request
+MAX_RUNS = 256  # generations in one request: prompts x best_of (or n)
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_MESSAGES = 1024  # per chat request; their text together is bounded by max_prompt_bytes
+MAX_PARTS = 256  # content parts per chat message
+MAX_TOOLS = 128  # listed only to be refused, but bounded all the same
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI's
+SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so choice i's seed differs from every other choice's
+
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+Prompts = Annotated[list[Prompt], Field(max_length=MAX_PROMPTS)]
+TokenPrompts = Annotated[list[Tokens], Field(max_length=MAX_PROMPTS)]
+Parts = Annotated[list["Part"], Field(max_length=MAX_PARTS)]
+
+
+class StreamOptions(Body):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class ResponseFormat(Body):
+    model_config = ConfigDict(extra="ignore")
+    type: Name = "text"
+
+
+class OpenAISampling(Sampling):
+    """What both routes take besides their prompt."""
+    model_config = ConfigDict(extra="ignore")
+    model: Name | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[TokenId, Bias] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id -> bias in [-100, 100], added to its logit")
+    response_format: ResponseFormat | None = None
+    session_id: Name | None = Field(None, description="continue (and keep) this session instead of a temporary one")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_params(self, limit: int, vocab_size: int, choice: int = 0) -> SamplingParams:
+        """The sampler's parameters for choice `choice` of the request: with a seed, choice i draws
+        from its own seed derived from it, so n choices differ and the same request gives the same n."""
+        bad = [t for t in self.logit_bias or {} if t >= vocab_size]
+        if bad:
+            raise APIError(400, "invalid_token", f"logit_bias: token ids must lie in [0, {vocab_size}); got {bad[:5]}")
+        seed = None if self.seed is None else (self.seed + choice * SEED_STRIDE) % MAX_SEED
+        return replace(super().to_params(limit), seed=seed, logit_bias=dict(self.logit_bias or {}),
+                       presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+
+
+class Completion(OpenAISampling):
+    prompt: Prompt | Prompts | Tokens | TokenPrompts = Field(
+        "", description="text, token ids, or a list of either (one choice per prompt)")
+    max_tokens: int | None = Field(COMPLETION_MAX_TOKENS, ge=0, le=MAX_NEW_TOKENS,
+                                   description=f"null = {COMPLETION_MAX_TOKENS}; also at most the server's max_new_tokens")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="generate this many per prompt, return the n "
+                                "with the highest summed logprob")
+    suffix: str | None = Field(None, max_length=MAX_STOP_CHARS)
+
+    def asked_tokens(self) -> int:
+        return COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+
+
+class Part(Body):
+    model_config = ConfigDict(extra="ignore")
+    type: Name
+    text: Prompt | None = None
+
+
+class Message(Body):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Prompt | Parts | None = None
+    name: Name | None = None
+
+
+class Chat(OpenAISampling):
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS,
+                                   description=f"null = {DEFAULT_MAX_TOKENS}; also at most the server's max_new_tokens")
+    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS,
+                                              description="takes precedence over max_tokens")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    functions: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Name | dict[str, Any] | None = None
+
+    def asked_tokens(self) -> int:
+        return next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None), DEFAULT_MAX_TOKENS)
+
+
+def unsupported(req: OpenAISampling) -> None:
+    """400 naming the first field asking for what this server cannot do."""
+    why = None
+    if req.response_format is not None and req.response_format.type != "text":
+        why = f"response_format: type {req.response_format.type!r} is not supported; only 'text'"
+    elif isinstance(req, Completion) and req.suffix:
+        why = "suffix: insertion (text after the completion) is not supported"
+    elif isinstance(req, Chat) and (req.tools or req.functions):
+        why = f"{'tools' if req.tools else 'functions'}: this server does not call tools or functions"
+    elif isinstance(req, Chat) and req.tool_choice not in (None, "none", "auto"):
+        why = "tool_choice: this server does not call tools"
+    if why:
+        raise APIError(400, "unsupported_field", why)
+
+
+def message_text(m: Message, i: int) -> str:
+    """A message's content as text: a string, or its text parts joined (other parts refused)."""
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    for p in m.content:
+        if p.type != "text":
+            raise APIError(400, "unsupported_content", f"messages[{i}].content: part type {p.type!r} is not "
+                           "supported; only 'text'")
+    return "".join(p.text or "" for p in m.content)
+
+
+def chat_prompt(messages: list[Message]) -> str:
+    """A plain transcript: 'ROLE:\\ncontent\\n\\n' per message, then 'ASSISTANT:\\n'."""
+    return "".join(f"{m.role.upper()}:\n{message_text(m, i)}\n\n" for i, m in enumerate(messages)) + "ASSISTANT:\n"
+
+
+class Tokenize(Body):
+    """vLLM's and llama.cpp's /tokenize: `prompt` (vLLM) or `content` (llama.cpp)."""
+    model_config = ConfigDict(extra="ignore")
+    model: Name | None = None
+    prompt: Prompt | None = None
+    content: Prompt | None = None
+
+
+class Detokenize(Body):
+    model_config = ConfigDict(extra="ignore")
+    model: Name | None = None
+    tokens: Tokens

@@ -1,0 +1,114 @@
+"""The session API: /v1/sessions/..."""
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request, Response
+from pydantic import ValidationError
+
+from ...core.auth import Owner
+from ...core.errors import APIError, invalid
+from ..schemas import CreateSession, Generate, Push, Restore
+from ..streaming import collect, sse, sse_response
+from .deps import RT, json_body
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+
+
+@router.post("", status_code=201)
+async def create(req: CreateSession, rt: RT, owner: Owner):
+    s = await rt.create(req.model, req.prompt, req.tokens, owner)
+    return json_body(rt.describe(s), 201)
+
+
+@router.get("")
+async def list_sessions(rt: RT, owner: Owner):
+    return {"data": [rt.describe(s) for s in rt.owned(owner)]}
+
+
+RESTORE_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": {"$ref": "#/components/schemas/Restore"}},
+    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+SSE = {200: {"description": "SSE stream (stream=true) or one JSON body",
+             "content": {"text/event-stream": {"schema": {"type": "string"}}, "application/json": {"schema": {"type": "object"}}}}}
+
+
+@router.post("/restore", status_code=201, openapi_extra=RESTORE_BODY)
+async def restore(request: Request, rt: RT, owner: Owner):
+    """Body: JSON {"snapshot_id"} or the raw state blob (application/octet-stream)."""
+    ctype = request.headers.get("content-type", "")
+    if ctype.startswith("application/json"):
+        try:
+            req = Restore.model_validate(json.loads(await request.body()))
+        except ValidationError as e:
+            content, status = invalid(e.errors())
+            raise APIError(status, content["error"]["type"], content["error"]["message"]) from None
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise APIError(422, "invalid_request", f"body: {e}") from None
+        s = await rt.restore_snapshot(req.snapshot_id, owner)
+    elif ctype.startswith("application/octet-stream"):
+        s = await rt.restore(await request.body(), request.query_params.get("model"), owner)
+    else:
+        raise APIError(415, "unsupported_media_type",
+                       "send application/json {\"snapshot_id\"} or an application/octet-stream state blob")
+    return rt.describe(s)
+
+
+@router.get("/{sid}")
+async def get(sid: str, owner: Owner, rt: RT):
+    return json_body(rt.describe(await rt.find(sid, owner)))
+
+
+@router.get("/{sid}/history")
+async def history(sid: str, owner: Owner, rt: RT):
+    s = await rt.find(sid, owner)
+    tok = rt.engines[s.model].tok
+    return {"id": s.id, "position": s.position, "history_start": s.history_start,
+            "tokens": list(s.tokens), "text": tok.decode(s.tokens)}
+
+
+@router.post("/{sid}/push")
+async def push(sid: str, owner: Owner, req: Push, rt: RT):
+    s = await rt.find(sid, owner)
+    ids = await rt.tokens_of(rt.engines[s.model], req.text, req.tokens)
+    async with rt.hold(s) as s:
+        ms, _ = await rt.push(s, ids)
+    return json_body({"position": s.position, "prefill_ms": round(ms, 3), "tokens": len(ids)})
+
+
+@router.post("/{sid}/generate", responses=SSE)
+async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
+    params = req.to_params(rt.settings.max_new_tokens)
+    async with rt.use(sid, owner, release=False) as s:  # released once the final state is persisted
+        st = rt.generate(s, params, req.logprobs)
+    if req.stream:
+        return sse_response(sse(st), st.let_go, rt.settings)
+    return json_body(await collect(st))
+
+
+@router.post("/{sid}/snapshot")
+async def snapshot(sid: str, owner: Owner, rt: RT):
+    async with rt.use(sid, owner) as s:
+        snap, nbytes = await rt.snapshot(s)
+    return {"snapshot_id": snap.id, "position": snap.position, "bytes": nbytes, "model": snap.model}
+
+
+@router.get("/{sid}/state")
+async def state(sid: str, owner: Owner, rt: RT):
+    async with rt.use(sid, owner) as s:
+        blob = await rt.state_blob(s)
+    return Response(blob, media_type="application/octet-stream",
+                    headers={"Content-Disposition": f'attachment; filename="{sid}.safetensors"'})
+
+
+@router.post("/{sid}/fork", status_code=201)
+async def fork(sid: str, owner: Owner, rt: RT):
+    async with rt.use(sid, owner) as s:
+        child = await rt.fork(s)
+    return rt.describe(child)
+
+
+@router.delete("/{sid}", status_code=204)
+async def delete(sid: str, owner: Owner, rt: RT):
+    await rt.remove(sid, owner)  # a session whose stored record is damaged can be deleted too
+    return Response(status_code=204)

@@ -1,0 +1,107 @@
+"""What the engine is asked to do and what it hands back: a generation (`Job`) and a push
+(`Prefill`) on one session's slot, and the hand-offs from the engine thread to an event loop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from linstream.model.sampling import SamplingParams
+from linstream.model.state import State
+from linstream.model.tokenizer import Tokenizer
+
+log = logging.getLogger("linstream.engine")
+
+
+@dataclass
+class Job:
+    """One generate request on one session."""
+    slot: int
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    logprobs: int | None = None  # top-n alternatives per token (OpenAI `logprobs`)
+    on_finish: Callable[["Job"], None] | None = None  # runs on the engine thread when the state is final
+    state: State | None = None  # the row once final, if on_finish read it (for persisting)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)  # set once the state is final
+    closing: asyncio.Task | None = None  # the task persisting and releasing the session after it
+    emitted: int = 0
+    counts: Counter = field(default_factory=Counter)  # times each token was emitted (penalties)
+    yielded: int = 0  # advanced by the handler after each event has been handed to the response
+    consumed: int = 0  # tokens of this job the state has consumed
+    pending: int | None = None  # last emitted token, not yet consumed by the state
+    saved: tuple | None = None  # (rows copy, index): the row before its last, undelivered, consumed token
+    finish: str | None = None
+    error: str | None = None  # why it ended with finish "error"
+    cancelled: bool = False
+    end_reason: str | None = None  # why the server ended it early ("shutdown"), reported instead of "cancelled"
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_last: float | None = None
+    t_start: float | None = None
+
+    def __post_init__(self):
+        # greedy rows draw nothing: no generator to seed (a seed from the OS costs a syscall a job)
+        self.gen = self.params.generator() if self.params.temperature != 0 else None
+
+    def timings(self) -> dict:
+        n = self.emitted
+        return {"queue_ms": round(1000 * ((self.t_start or self.t_submit) - self.t_submit), 3),
+                "ttft_ms": round(1000 * ((self.t_first or self.t_submit) - self.t_submit), 3),
+                "per_token_ms": round(1000 * (self.t_last - self.t_first) / (n - 1), 3) if n > 1 else None}
+
+
+class NonFiniteState(ArithmeticError):
+    """A prefill whose new state held NaN or Inf: refused, the row left as it was."""
+
+
+@dataclass
+class Prefill:
+    slot: int
+    tokens: list[int]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    logprobs: int | None = None
+    done: int = 0
+    results: list = field(default_factory=list)  # (logprob, top) per token when asked
+    read: bool = False  # copy the row once prefilled (into `state`), saving the caller a round trip
+    state: State | None = None
+    saved: State | None = None  # the row before the first of several chunks (rolled back to on failure)
+    alone: bool = False  # never rides in the decode step (set when a step it rode in failed)
+    t0: float = field(default_factory=time.perf_counter)
+
+
+def run_all(calls: list) -> None:
+    for fn, *args in calls:
+        try:
+            fn(*args)
+        except Exception:  # one bad hand-off must not hold back the others of its step
+            log.exception("delivering %r failed", fn)
+
+
+def settle(fut: asyncio.Future, res, err):
+    if fut.done():
+        return
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(res)
+
+
+def logprob_entries(logits: torch.Tensor, tokens: list[int], top: int, tok: Tokenizer) -> list[tuple]:
+    """(logprob of each token, {text: logprob} of the top-n alternatives) from logits (N, V)."""
+    lp = torch.log_softmax(logits.float(), -1)
+    chosen = lp.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    out = []
+    for i in range(len(tokens)):
+        alts = {}
+        if top:
+            v, ix = lp[i].topk(min(top, lp.shape[-1]))
+            alts = {tok.decode([int(a)]): float(b) for a, b in zip(ix, v)}
+        out.append((float(chosen[i]), alts))
+    return out

@@ -1,0 +1,97 @@
+"""The prefix cache (prefix_cache.py) in use by the OpenAI routes: a request's prompt is
+tokenized only past the longest cached transcript it goes on from, its temporary session starts
+from the longest cached state, and the states at the end of its prompt and of its completion
+are cached for the request that follows."""
+from __future__ import annotations
+
+import logging
+
+from linstream.model.generate import prefill
+
+from ..core.metrics import Metrics
+from ..core.settings import Settings
+from ..engine.engine import Engine
+from ..engine.jobs import Job
+from ..engine.prompts import check_length, encode, tokens_of
+from .prefix_cache import NEXT_MESSAGE, PrefixCache, Turn, as_resent, splits_between
+from .residency import Residency
+from .session import Session
+
+log = logging.getLogger("linstream")
+
+
+class PrefixReuse:
+    def __init__(self, settings: Settings, metrics: Metrics, held: Residency):
+        self.settings, self.held = settings, held
+        self.prefixes = PrefixCache(settings.prefix_cache_bytes, metrics)
+        self.turns: dict[str, Turn] = {}  # temporary session id -> what its request caches (start)
+
+    def scope(self, owner: str) -> str:
+        return "" if self.settings.prefix_cache_shared else owner
+
+    async def prompt_tokens(self, eng: Engine, owner: str, text: str) -> list[int]:
+        """`tokens_of(text)`, tokenizing only what follows the longest cached transcript that
+        text goes on from (prefix_cache.py, `PrefixCache.tokens`)."""
+        cfg = self.settings
+        data = text.encode() if len(text) <= cfg.max_prompt_bytes else b""
+        k, head = self.prefixes.tokens(eng.name, self.scope(owner), data) if data else (0, [])
+        if not k or len(data) > cfg.max_prompt_bytes:
+            return await tokens_of(eng, text, None, cfg)
+        ids = head + await tokens_of(eng, data[k:].decode(), None, cfg)
+        check_length(len(ids), cfg)
+        return ids
+
+    async def start(self, eng: Engine, owner: str, ids: list[int], follow: str = "", reuse: bool = True,
+                    text: str | None = None) -> Session:
+        """A temporary session for one OpenAI request whose prompt is ids, started from the longest
+        cached prefix of them (reuse=False: from nothing): push ids[s.position:]. The state at the
+        end of its prompt is cached, and when its generation ends the state at the end of the
+        completion, and the state after the completion as the next request re-sends it
+        (`follow`: the text put right after it, the chat separator; with the prompt's `text`,
+        that transcript's text is kept too, for `prompt_tokens`)."""
+        scope = self.scope(owner)
+        n, state = self.prefixes.lookup(eng.name, scope, ids) if reuse else (0, None)
+        s = await self.held.new(eng, owner, state, ids[:n], ephemeral=True)
+        s.busy = False
+        if self.prefixes.budget:
+            self.turns[s.id] = Turn(scope, list(ids), follow, text, state if ids and n == len(ids) else None)
+        return s
+
+    async def cache_prompt(self, s: Session, eng: Engine) -> None:
+        """After the prompt of a session `start` made: cache the state it reached."""
+        if s.id not in self.turns:
+            return
+        turn = self.turns[s.id]
+        turn.state = await eng.call(lambda: eng.read(s.slot))
+        self.prefixes.insert(s.model, turn.scope, s.tokens, turn.state)
+
+    async def cache_turn(self, s: Session, eng: Engine, job: Job) -> None:
+        """Cache the state after the completion as generated, and after the completion as its
+        client re-sends it: the received text plus `follow`, tokenized as the next request will
+        be (which may merge or split tokens differently), prefilled on a copy from the state
+        that matches (the completion's end, or else the prompt's)."""
+        turn = self.turns.pop(s.id)
+        try:
+            end = await eng.call(lambda: eng.read(s.slot))
+            self.prefixes.insert(s.model, turn.scope, s.tokens, end)
+            if turn.state is None:
+                return
+            made = s.tokens[len(turn.prompt):]
+            text = as_resent(eng.tok.decode(made), job.params.stop if job.finish == "stop" else [])
+            # the next request goes on after `follow`: tokenized alone, its trailing whitespace
+            # would merge into one token where the next request's text splits it
+            probe = NEXT_MESSAGE if turn.follow else ""
+            tail = await encode(eng, text + turn.follow + probe)
+            if probe:
+                if not tail or eng.tok.decode(tail[-1:]) != probe:
+                    return
+                tail = tail[:-1]
+            base, rest = (end, tail[len(made):]) if tail[:len(made)] == made else (turn.state, tail)
+            if rest:
+                state = await eng.call(lambda: prefill(eng.model, rest, base.clone(), eng.prefill_chunk))
+                sure = probe and turn.text is not None and splits_between(turn.text, text)
+                resent = (turn.text + text + turn.follow).encode() if sure else None
+                if not state.nonfinite():
+                    self.prefixes.insert(s.model, turn.scope, turn.prompt + tail, state, resent)
+        except Exception:  # a state not cached costs the next request time, never its answer
+            log.exception("session %s: caching its prefix states failed", s.id)

@@ -1,0 +1,61 @@
+"""Copies of a session's state: downloads (`GET /state`), snapshots in the store, restores from
+either, and forks. Every blob carries the state with its whole token history (model/state.py,
+`session_to_bytes`), so a restored session is whole."""
+from __future__ import annotations
+
+import asyncio
+
+from linstream.model.generate import first_step_nonfinite
+from linstream.model.snapshot import SnapshotModelMismatch, SnapshotOutOfRange, blob_fingerprint, session_from_bytes, session_to_bytes
+
+from ..engine.engine import Engine
+from .records import Records
+from .residency import Residency
+from .session import Session, Snapshot, new_id
+
+
+class Snapshots:
+    def __init__(self, engines: dict[str, Engine], held: Residency, records: Records):
+        self.engines, self.held, self.records = engines, held, records
+
+    async def state_blob(self, s: Session) -> bytes:
+        """The state with its whole history (a download, a snapshot): O(history), by nature."""
+        eng = self.engines[s.model]
+        state = await eng.call(lambda: eng.read(s.slot))
+        return await asyncio.to_thread(session_to_bytes, state, eng.model.fingerprint, s.history_start, s.tokens)
+
+    async def take(self, s: Session) -> tuple[Snapshot, int]:
+        """A snapshot of the session in the store: (its record, the blob's bytes)."""
+        blob = await self.state_blob(s)
+        snap = Snapshot(new_id("snap"), s.model, s.position, s.owner)
+        await self.records.put_snapshot(snap, blob)
+        return snap, len(blob)
+
+    async def restore(self, blob: bytes, eng: Engine | None, owner: str = "") -> Session:
+        """A new session from a blob, on `eng` or else on the served model the blob names."""
+        eng = eng or self._engine_for_blob(blob)
+        state, start, tokens = await asyncio.to_thread(session_from_bytes, blob, eng.empty, eng.model.fingerprint,
+                                                       eng.model.cfg.vocab_size)
+        bad = await eng.call(lambda: first_step_nonfinite(eng.model, state))
+        if bad:  # it would poison the session at its first step: refused before it is one
+            raise SnapshotOutOfRange(f"one step from this state already turns {bad} to NaN or Inf: its values are "
+                                     "too large to continue from")
+        await self.records.store.ping()
+        s = await self.held.new(eng, owner, state, tokens, start)
+        await self.held.created(s, lambda: self.held.persist(s))
+        return s
+
+    def _engine_for_blob(self, blob: bytes) -> Engine:
+        """The served model whose fingerprint the blob names (restoring needs no model field)."""
+        fp = blob_fingerprint(blob)
+        for eng in self.engines.values():
+            if eng.model.fingerprint == fp:
+                return eng
+        raise SnapshotModelMismatch(f"no served model has fingerprint {fp!r}")
+
+    async def fork(self, s: Session) -> Session:
+        eng = self.engines[s.model]
+        state = await eng.call(lambda: eng.read(s.slot))
+        child = await self.held.new(eng, s.owner, state, s.tokens, s.history_start)
+        await self.held.created(child, lambda: self.held.persist(child))
+        return child
