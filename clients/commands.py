@@ -1,4 +1,4 @@
-"""Client subcommands of `linstream` (registered on clients.cli.app): generate, chat, bench, loadtest."""
+"""The client commands of `linstream` on one typer app: generate, chat, bench, loadtest."""
 from __future__ import annotations
 
 import sys
@@ -8,8 +8,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import app
 from .sdk import Client, LinstreamError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True)
+
+
+@app.callback()
+def root():
+    """linstream: a streaming inference server for recurrent LMs, with explicit sessions."""
+
 
 URL = typer.Option("--url", envvar="LINSTREAM_URL", help="server base URL")
 OUT = "prefix of the .json and .png written (default: a new folder NAME-YYYYmmdd-HHMMSS here)"

@@ -51,7 +51,7 @@ def bits_per_byte(model: LM, ids: torch.Tensor, n_bytes: int, window: int = 512,
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mixer", default="linear", help="a preset name from model.config.PRESETS")
+    ap.add_argument("--mixer", default="linear", help="a preset name from linstream.model.config.PRESETS")
     ap.add_argument("--minutes", type=float, default=15.0, help="training budget in wall-clock minutes")
     ap.add_argument("--steps", type=int, default=0, help="train exactly this many batches (0: until --minutes)")
     ap.add_argument("--seq", type=int, default=256)

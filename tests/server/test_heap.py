@@ -8,7 +8,7 @@ import sys
 import pytest
 from linstream.server.core.heap import Heap
 
-PROBE = ("import json; from server.heap import Heap; h = Heap(); before = h.stats(); x = bytearray(64 << 20); "
+PROBE = ("import json; from linstream.server.core.heap import Heap; h = Heap(); before = h.stats(); x = bytearray(64 << 20); "
          "mid = h.stats(); del x; h.trim(); print(json.dumps([h.kind, before, mid, h.stats()]))")
 
 
