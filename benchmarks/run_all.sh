@@ -1,28 +1,87 @@
 #!/usr/bin/env bash
-# Reproduce every figure under benchmarks/results/ on one machine (about 60 minutes on 2 cores).
+# The index of the benchmarks: every one, by group, with the command that writes each file under
+# benchmarks/results/<group>/ (each script's --out defaults to that file). Each script runs from
+# the repository root as `python -m benchmarks.<group>.<name>`; `--help` says what it measures.
+#
+#   bash benchmarks/run_all.sh                  # every group: hours on 2 cores
+#   bash benchmarks/run_all.sh model serving    # some groups
+#
+# peers/ and serving/client_cost.py need the bench extra: pip install -e '.[bench]'.
+# benchmarks/common.py holds what the scripts share (a server for a `with` block, /proc CPU time,
+# percentiles, the JSON result).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=benchmarks/results
-mkdir -p $out
-python benchmarks/peers.py --out $out/peers | tee $out/peers.txt   # needs the bench extra (llama-cpp-python, gguf)
-python benchmarks/model_bench.py --threads 1 --out $out/model_bench.json | tee $out/model_bench.txt
-python benchmarks/models_table.py --out $out/models_table
-port=8100
-LINSTREAM_MAX_KV_SESSIONS=2 linstream serve -m linear -m performer -m retnet -m gla -m rwkv -m mamba -m hybrid -m softmax \
-    --port $port --threads 1 --store memory \
-    --log-level warning &
-srv=$!
-trap 'kill $srv' EXIT
-until curl -sf http://127.0.0.1:$port/healthz >/dev/null; do sleep 0.5; done
-linstream bench latency --url http://127.0.0.1:$port --threads 1 --models linear,mamba,softmax --out $out/latency \
-    | tee $out/latency.txt
-linstream bench latency --url http://127.0.0.1:$port --threads 1 --contexts 128,4096,32768 --tokens 32 \
-    --out $out/latency_mixers
-linstream loadtest --url http://127.0.0.1:$port --model linear --concurrency 1,8,64,256 --duration 20 \
-    --out $out/loadtest | tee $out/loadtest.txt
-python benchmarks/soak.py --concurrency 256 --duration 60 --out $out/soak.json
-python benchmarks/soak.py --concurrency 256 --duration 60 --allocator jemalloc --out $out/soak_jemalloc.json
-python benchmarks/faults.py --concurrency 256 --duration 30 --signal term
-python benchmarks/faults.py --concurrency 256 --duration 30 --signal kill
-python benchmarks/history_append.py --out $out/history_append.json
-python benchmarks/fuzz_api.py --examples 100 --out $out/fuzz_api.json
+r=benchmarks/results
+
+model() {  # in-process: the model, its kernels, its step, sampling, snapshots
+  python -m benchmarks.model.decode --threads 1 --gemm inductor own --step-batches 1 4 64   # model/decode.json
+  python -m benchmarks.model.table               # model/table.md, model/table.json
+  python -m benchmarks.model.aoti_step           # model/aoti_step.json
+  python -m benchmarks.model.own_gemm --inductor # model/own_gemm.json
+  python -m benchmarks.model.lowp_matmul --bpb   # model/lowp_matmul.json
+  python -m benchmarks.model.sampler --reps 7    # model/sampler.txt
+  python -m benchmarks.model.snapshots           # model/snapshots.json (in-process and over each store)
+  # On a machine with a CUDA device (results under $OUT, default /tmp/gpu_check, not here):
+  #   bash benchmarks/model/gpu_check.sh         # the CUDA tests, then benchmarks.model.gpu_decode
+}
+
+serving() {  # over HTTP against a real `linstream serve`
+  python -m benchmarks.serving.request_path --models linear mamba --levels 1 8 64 256 --duration 8 --reps 4
+                                                 # serving/request_path.json
+  python -m benchmarks.serving.thread_cpu --model linear                               # serving/thread_cpu.json
+  python -m benchmarks.serving.client_cost --model linear --clients 64 --rounds 2      # serving/client_cost.json
+  python -m benchmarks.serving.choices --model linear                                  # serving/choices.json
+  python -m benchmarks.serving.many_sessions --sessions 10000                          # serving/many_sessions.json
+  python -m benchmarks.serving.history_append                                          # serving/history_append.json
+  python -m benchmarks.serving.prefix_chat                                             # serving/prefix_chat.json, .png
+  if [ -n "${BEFORE:-}" ]; then  # a checkout to compare with: git archive REV | tar -x -C "$BEFORE"
+    python -m benchmarks.serving.request_cpu --before "$BEFORE" --rounds 4 --n 800     # serving/request_cpu.json
+    python -m benchmarks.serving.aggregate_ab --before "$BEFORE" --rounds 3 --clients 64   # prints only
+  else
+    echo "skipping request_cpu and aggregate_ab: set BEFORE to a checkout to compare with" >&2
+  fi
+  cli_clients
+}
+
+cli_clients() (  # linstream's own client commands against one server with every shipped model
+  port=8100
+  mkdir -p $r/serving
+  LINSTREAM_MAX_KV_SESSIONS=2 linstream serve -m linear -m performer -m retnet -m gla -m rwkv -m mamba -m hybrid \
+      -m softmax --port $port --threads 1 --store memory --log-level warning &
+  srv=$!
+  trap 'kill $srv' EXIT
+  until curl -sf http://127.0.0.1:$port/healthz >/dev/null; do sleep 0.5; done
+  linstream bench latency --url http://127.0.0.1:$port --threads 1 --models linear,mamba,softmax \
+      --out $r/serving/latency                   # serving/latency.json, .png
+  linstream bench latency --url http://127.0.0.1:$port --threads 1 --contexts 128,4096,32768 --tokens 32 \
+      --out $r/serving/latency_mixers            # serving/latency_mixers.json, .png
+  linstream loadtest --url http://127.0.0.1:$port --model linear --concurrency 1,8,64,256 --duration 20 \
+      --out $r/serving/loadtest                  # serving/loadtest.json, .png
+)
+
+peers() {  # beside llama.cpp (llama-cpp-python) and transformers
+  python -m benchmarks.peers.shipped             # peers/shipped.json, .png
+  python -m benchmarks.peers.mamba130m           # peers/mamba130m.json
+  # benchmarks/peers/lm_eval_task/: lm-eval's `local_text` task against a running server
+  # (--include_path benchmarks/peers/lm_eval_task --tasks local_text); no file here.
+}
+
+robustness() {  # faults, fuzzing, hostile requests, long load
+  python -m benchmarks.robustness.soak --concurrency 256 --duration 630                 # robustness/soak.json
+  python -m benchmarks.robustness.faults --concurrency 256 --duration 30 --signal term  # robustness/faults_term.json
+  python -m benchmarks.robustness.faults --concurrency 256 --duration 30 --signal kill  # robustness/faults_kill.json
+  python -m benchmarks.robustness.fuzz_api --examples 100                               # robustness/fuzz_api.json
+  python -m benchmarks.robustness.hostile_stall --phase-s 5                             # robustness/hostile_stall.json
+}
+
+# results/flames/: py-spy flame graphs of a server under load, recorded by hand; the commands are
+# in results/flames/README.md.
+
+groups=("$@")
+[ ${#groups[@]} -gt 0 ] || groups=(model serving peers robustness)
+for g in "${groups[@]}"; do
+  case $g in
+    model|serving|peers|robustness) echo "== $g" >&2; $g ;;
+    *) echo "unknown group: $g (model, serving, peers, robustness)" >&2; exit 2 ;;
+  esac
+done

@@ -1,9 +1,9 @@
-"""Where a batch-1 compiled step's time goes around its graph (issue 13, goals 1 and 3): one run,
-one thread, interleaved timings (each the best of interleaved rounds, lowp_matmul.best_us) of
+"""Where a batch-1 compiled step's time goes around its graph: one thread, interleaved timings (each
+the best of interleaved rounds, lowp_matmul.best_us) of
 
-  stepper_aoti     the engine's call, decode_one_token through model/compiled.py's Stepper with
-                   the step built ahead of time (model/aot.py, the default: one row padded to two,
-                   its checks, the State it returns)
+  stepper_aoti     the engine's call, decode_one_token through the Stepper (model/compiled/stepper.py)
+                   with the step built ahead of time (model/compiled/aot.py, the default: one row
+                   padded to two, its checks, the State it returns)
   stepper_dynamo   the same with the torch.compile'd step (--step-runtime dynamo)
   aoti             the AOTInductor library called directly on one row (it takes any batch from 1 up)
   dynamo           the torch.compile'd step_layers called directly on two rows (its smallest batch:
@@ -12,23 +12,21 @@ one thread, interleaved timings (each the best of interleaved rounds, lowp_matmu
 
 and the largest difference of each one's logits from the eager step's.
 
-    python benchmarks/aoti_step.py [--models linear mamba] [--out benchmarks/results/aoti_step.json]
+    python -m benchmarks.model.aoti_step [--models linear mamba] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.lowp_matmul import best_us  # noqa: E402
-from model import WEIGHTS  # noqa: E402
-from model.compiled import Stepper  # noqa: E402
-from model.generate import decode_one_token  # noqa: E402
-from model.lm import LM  # noqa: E402
+from benchmarks.common import write_json
+from benchmarks.model.lowp_matmul import best_us
+from linstream.model import WEIGHTS
+from linstream.model.compiled import Stepper
+from linstream.model.generate import decode_one_token
+from linstream.model.lm import LM
 
 
 def measure(name: str) -> dict:
@@ -58,16 +56,14 @@ def measure(name: str) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["linear", "mamba"])
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default="benchmarks/results/model/aoti_step.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     out = {}
     for name in a.models:
         out[name] = measure(name)
         print(name, json.dumps(out[name]), flush=True)
-    if a.out:
-        Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
-        print("wrote", a.out)
+    write_json(a.out, out)
 
 
 if __name__ == "__main__":

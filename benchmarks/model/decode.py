@@ -1,11 +1,13 @@
-"""In-process benchmark of the shipped models (no HTTP): decode latency vs position, prefill
-throughput, state bytes. Prints a table and writes JSON.
+"""In-process benchmark of the shipped models (no HTTP): decode latency against position at batch 1
+and 64, chunked prefill against token-by-token, state bytes per session; and, where the model has
+a compiled step, eager against compiled steps beside the bare weight matmuls at the same batch.
+Prints a table and writes JSON.
 
-    python benchmarks/model_bench.py --models linear softmax mamba --positions 128 1024 4096 16384 32768 \\
-        --out benchmarks/results/model_bench.json
-    python benchmarks/model_bench.py --step-only --threads 1 --models linear mamba   # eager vs compiled step,
-        # bare matmuls at the same batch; merged into the results file above
-    python benchmarks/model_bench.py --step-only --threads 1 --models linear --step-batches 64 --profile \
+    python -m benchmarks.model.decode --threads 1
+    python -m benchmarks.model.decode --models linear softmax mamba --positions 128 1024 4096 16384 32768
+    python -m benchmarks.model.decode --step-only --threads 1 --models linear mamba --gemm inductor own
+        # eager vs compiled steps only, merged into the results file
+    python -m benchmarks.model.decode --step-only --threads 1 --models linear --step-batches 64 --profile \
         --out /tmp/step.json   # and where the compiled step's time goes at 64 rows
 """
 from __future__ import annotations
@@ -21,15 +23,16 @@ from pathlib import Path
 
 import torch
 
-from clients.stats import pct
-from model import WEIGHTS
-from model.compiled import Stepper
-from model.gemm import GEMMS, OneDnnLinear
-from model.generate import decode_one_token, prefill
-from model.hf import load_checkpoint
-from model.lm import LM
-from model.state import State
-from model.timing import state_at, time_steps
+from benchmarks.common import pct, write_json
+from linstream.model import WEIGHTS
+from linstream.model.compiled import Stepper
+from linstream.model.compiled.gemm import GEMMS, OneDnnLinear
+from linstream.model.generate import decode_one_token, prefill
+from linstream.model.hf import load_checkpoint
+from linstream.model.lm import LM
+from linstream.model.state import State
+from linstream.model.timing import state_at, time_steps
+
 
 def batched(model: LM, one: State, batch: int) -> State:
     pool = model.init_state(batch)
@@ -40,8 +43,8 @@ def batched(model: LM, one: State, batch: int) -> State:
 
 def bare_matmuls(model: LM, batch: int, steps: int, gemm: str = "blas") -> list[float]:
     """Seconds per pass over every weight matmul of one decode step at `batch` rows, alone: the
-    floor a step cannot beat (issue 13, goal 2). gemm "blas": torch.mm (MKL); "onednn": the
-    oneDNN calls --gemm onednn makes (model/gemm.py), from Python."""
+    floor a step cannot beat. gemm "blas": torch.mm (MKL); "onednn": the oneDNN calls
+    --gemm onednn makes (model/compiled/gemm.py), from Python."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     xs = [torch.randn(batch, m.in_features) for m in linears]
     if gemm == "onednn":
@@ -59,7 +62,7 @@ def bare_matmuls(model: LM, batch: int, steps: int, gemm: str = "blas") -> list[
 
 
 def bench_compiled(model: LM, batches: list[int], steps: int, mode: str, gemms: list[str] = GEMMS[:1]) -> dict:
-    """Eager vs compiled (model/compiled.py) decode step per batch, one compiled step per --gemm
+    """Eager vs compiled (model/compiled/) decode step per batch, one compiled step per --gemm
     ("compiled" is inductor's, "compiled_onednn" oneDNN's), timed in alternating rounds so that all
     see the same machine, and the bare weight matmuls at each batch (MKL's, and oneDNN's)."""
     steppers = {g: Stepper(model, mode, background=False, gemm=g) for g in gemms}
@@ -177,7 +180,7 @@ def bench_model(name: str, model: LM, positions: list[int], batches: list[int], 
 
 
 def profile_step(model: LM, batch: int, steps: int = 20, top: int = 10) -> None:
-    """Where a compiled step's time goes at `batch` rows (issue 13, goal 2): inductor's kernels by
+    """Where a compiled step's time goes at `batch` rows: inductor's kernels by
     name (gemm_*: its GEMM template; cpp_fused_*: fused pointwise and reduction kernels) and the
     rest (guards, wrappers), as shares of the profiled time. Compiles afresh: the kernels' own
     profiling is a compile-time setting."""
@@ -213,13 +216,13 @@ def main(argv=None):
                     help="also time the compiled step against eager at --step-batches")
     ap.add_argument("--step-batches", nargs="+", type=int, default=[1, 64])
     ap.add_argument("--gemm", nargs="+", default=["inductor"], choices=GEMMS,
-                    help="the compiled steps to time (model/gemm.py), each beside eager")
+                    help="the compiled steps to time (model/compiled/gemm.py), each beside eager")
     ap.add_argument("--step-only", action="store_true",
                     help="time only eager vs compiled steps and merge them into --out's existing results")
     ap.add_argument("--profile", action="store_true",
                     help="with --step-only: also profile the compiled step at the largest --step-batches")
     ap.add_argument("--mem-limit-gib", type=float, default=6.0, help="skip batches whose states exceed this")
-    ap.add_argument("--out", default="benchmarks/results/model_bench.json")
+    ap.add_argument("--out", default="benchmarks/results/model/decode.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
@@ -239,9 +242,7 @@ def main(argv=None):
         print(line)
     out = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
                        "torch": torch.__version__}, "results": results, "summary": summary["figures"]}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {a.out}")
+    write_json(a.out, out)
 
 
 def step_only(a) -> None:
@@ -261,8 +262,7 @@ def step_only(a) -> None:
             out["results"].append(r)
     for line in step_lines(out["results"]):
         print(line)
-    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {a.out}")
+    write_json(a.out, out)
 
 
 def step_lines(results: list[dict]) -> list[str]:

@@ -1,25 +1,24 @@
-"""Decode on a CUDA GPU (issue 17): a 130 M-shaped random Mamba-1 in the Hugging Face layout.
+"""Decode on a CUDA GPU: a 130 M-shaped random Mamba-1 in the Hugging Face layout.
 
 Builds the checkpoint with transformers (`MambaConfig` of the 130 M family's shape: d_model 768,
 24 layers, d_state 16, expand 2, conv 4, vocab 50,280; random weights: nothing is downloaded),
 saves it with `save_pretrained`, loads it the way `linstream serve -m DIR --device cuda` does
 (model/hf.py), and times, in one run:
 
-  step per token at batch 1: linstream's eager step, its CUDA-graph step (model/graphs.py), and
+  step per token at batch 1: linstream's eager step, its CUDA-graph step (model/compiled/graphs.py), and
       transformers' `generate` (its own cache, greedy) divided by the tokens made;
   aggregate decode tokens/s at 1 .. 256 rows: the CUDA-graph step over a slot pool, and
       transformers' batched `generate`;
   agreement: the largest logit difference between linstream's step and transformers' forward.
 
 Prints a table and writes JSON (`--out`). Needs a CUDA device and transformers; the shipped
-models are timed too with `--shipped`.
+models are timed too with `--shipped`. benchmarks/model/gpu_check.sh runs it beside the CUDA tests.
 
-    python benchmarks/gpu_bench.py --out $OUT/gpu_bench.json
+    python -m benchmarks.model.gpu_decode --shipped --out /tmp/gpu_decode.json
 """
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -28,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model import WEIGHTS  # noqa: E402
-from model.graphs import GraphStep  # noqa: E402
-from model.hf import load_checkpoint  # noqa: E402
-from model.lm import LM  # noqa: E402
+from benchmarks.common import command, write_json
+from linstream.model import WEIGHTS
+from linstream.model.compiled.graphs import GraphStep
+from linstream.model.hf import load_checkpoint
+from linstream.model.lm import LM
 
 SHAPE = {"hidden_size": 768, "num_hidden_layers": 24, "state_size": 16, "expand": 2, "conv_kernel": 4, "vocab_size": 50280}
 
@@ -112,13 +111,13 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--shipped", action="store_true", help="also the shipped linear and mamba")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")
     from transformers import MambaForCausalLM
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": SHAPE, "dtype": a.dtype,
-           "command": " ".join(sys.argv)}
+           "command": command()}
     with tempfile.TemporaryDirectory() as d:
         path = make_checkpoint(Path(d))
         model, _ = load_checkpoint(path, device="cuda", dtype=a.dtype)
@@ -141,7 +140,7 @@ def main(argv=None) -> None:
             m = LM.load(WEIGHTS / name).cuda().eval().requires_grad_(False)
             res["shipped"][name] = linstream_rows(m, a.batches, a.steps)
     if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+        write_json(a.out, res, indent=1)
 
 
 if __name__ == "__main__":

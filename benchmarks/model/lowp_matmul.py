@@ -1,34 +1,33 @@
 """Reduced-precision weights for batch-1 decode, one thread: which kernel streams a shipped
 model's projections faster than float32, and what the compiled step gains from it.
 
-    python benchmarks/lowp_matmul.py [--models linear mamba] [--bpb] [--out benchmarks/results/lowp.json]
+    python -m benchmarks.model.lowp_matmul [--models linear mamba] [--bpb] [--out FILE]
 
 Part 1, the projections alone, at each distinct (out, in) shape of the shipped models' nn.Linear
 weights, 1 and 2 rows (the compiled step pads one row to two): float32 F.linear (MKL), bfloat16
 weights through torch.mm, oneDNN's linear on prepacked float32 / bfloat16 weights, aten's int8
 weight-only kernel with float32 and with bfloat16 inputs, and its int4 kernel (group 32, timing
 only). Every kernel's time is the best of interleaved rounds, so the ratios come from one run.
-Part 2, the compiled decode step (model/compiled.py, built ahead of time: model/aot.py, with the
-default kernels: our own over float32, bfloat16 or int8 panels where it builds, else inductor's)
-with float32, bfloat16 and int8 projections (model/lowp.py `--weights`):
-ms per token at batch 1 and 64; with --bpb, each model's held-out bits per byte for the three.
+Part 2, the compiled decode step (model/compiled/, built ahead of time with the default kernels:
+our own over float32, bfloat16 or int8 panels where it builds, else inductor's) with float32,
+bfloat16 and int8 projections (model/compiled/lowp.py, `--weights`): ms per token at batch 1 and
+64; with --bpb, each model's held-out bits per byte for the three.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import WEIGHTS
-from model.lm import LM
-from model.lowp import K_MULTIPLE, to_weights
+from benchmarks.common import command, write_json
+from linstream.model import WEIGHTS
+from linstream.model.compiled.lowp import K_MULTIPLE, to_weights
+from linstream.model.lm import LM
 
 
 def best_us(fns: dict, rounds: int = 15, n: int = 200) -> dict[str, float]:
@@ -92,7 +91,7 @@ def projections(models: list[str]) -> list[dict]:
 
 
 def step_ms(models: list[str]) -> list[dict]:
-    from model.compiled import Stepper
+    from linstream.model.compiled import Stepper
     out = []
     for name in models:
         steppers = {}
@@ -120,9 +119,9 @@ def step_ms(models: list[str]) -> list[dict]:
 
 
 def held_out_bpb(models: list[str]) -> list[dict]:
-    from model.data import load_corpus, split
-    from model.tokenizer import Tokenizer
-    from model.train import TOKENIZER, bits_per_byte
+    from linstream.model.data import load_corpus, split
+    from linstream.model.tokenizer import Tokenizer
+    from linstream.model.train import TOKENIZER, bits_per_byte
     _, val = split(load_corpus())
     ids = torch.tensor(Tokenizer(TOKENIZER).encode(val.decode("ascii")), dtype=torch.long)
     out = []
@@ -138,18 +137,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["linear", "mamba"])
     ap.add_argument("--bpb", action="store_true", help="also held-out bits per byte (a minute per model)")
-    ap.add_argument("--out", default="benchmarks/results/lowp.json")
+    ap.add_argument("--out", default="benchmarks/results/model/lowp_matmul.json")
     a = ap.parse_args()
     torch.set_num_threads(1)
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 thread",
-              "torch": torch.__version__, "command": "python benchmarks/lowp_matmul.py " + " ".join(
-                  f"--models {' '.join(a.models)}".split() + (["--bpb"] if a.bpb else [])),
+              "torch": torch.__version__, "command": command(),
               "projections_us": projections(a.models), "compiled_step": step_ms(a.models)}
     if a.bpb:
         result["held_out"] = held_out_bpb(a.models)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
-    print("wrote", a.out)
+    write_json(a.out, result, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,41 +1,34 @@
 """Our batch-invariant matmul (model/kernels, the compiled step's default) against MKL and inductor's template.
 
-Goal 2 asks a batch-64 decode step for at most 1.5x the time of its weights' bare matmuls
-(MKL's, `F.linear`). The default compiled step runs its projections through inductor's C++
-GEMM template, which keeps a row's bits independent of its batch but ran 35-40 GFLOP/s at 64
-rows on `mamba`'s shapes against MKL's 80-91 (README, "Where goals 2, 4 and 5 stand"). This
-times `model/kernels/packed_linear.cpp` (AVX-512; weights packed once in panels of 32 columns;
-a 12 x 32 register block and its 8/4/2/1-row tails; every output one FMA chain over k from
-zero, so a row's result is the same whatever rows share its call) against MKL on the
-projections of the shipped `linear` and `mamba`, at 1, 4 and 64 rows, one thread, called
-through ctypes (its ~2-4 us per call included); with --inductor, also inductor's template
+A batch-64 decode step should take at most 1.5x the time of its weights' bare matmuls (MKL's,
+`F.linear`). This times `model/kernels/packed_linear.cpp` (AVX-512, or AVX2 + FMA where the CPU
+has no AVX-512; weights packed once in panels of 32 columns; every output one FMA chain over k
+from zero, so a row's result is the same whatever rows share its call) against MKL on the
+projections of the shipped `linear` and `mamba`, at 1, 4 and 64 rows, one thread, called through
+ctypes (the call's own overhead included); with --inductor, also inductor's C++ GEMM template
 (`torch.compile` of the frozen `nn.Linear` with the step's own settings) at 64 rows. It checks
 every result against MKL's within float tolerance, and the rows' bits across batches.
 
-    python benchmarks/own_gemm.py --inductor --out benchmarks/results/own_gemm.json
+    python -m benchmarks.model.own_gemm --inductor
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model import WEIGHTS  # noqa: E402
-from model.hf import load_checkpoint  # noqa: E402
-
+from benchmarks.common import command, write_json
+from linstream.model import WEIGHTS
+from linstream.model.hf import load_checkpoint
 
 
 def build() -> ctypes.CDLL:
-    from model.kernels import _loaded
+    from linstream.model.kernels import _loaded
     return _loaded()
 
 
@@ -57,7 +50,7 @@ def shapes(model: str) -> list[tuple[int, int]]:
 
 
 def inductor_s(w: torch.Tensor, M: int, n: int) -> float:
-    from model.compiled import PACKED
+    from linstream.model.compiled import PACKED
     lin = nn.Linear(w.shape[1], w.shape[0], bias=False).requires_grad_(False)
     lin.weight.copy_(w)
     x = torch.randn(M, w.shape[1])
@@ -74,12 +67,12 @@ def main(argv=None):
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 4, 64])
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--inductor", action="store_true", help="also time inductor's GEMM template at 64 rows (compiles)")
-    ap.add_argument("--out", default="benchmarks/results/own_gemm.json")
+    ap.add_argument("--out", default="benchmarks/results/model/own_gemm.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     lib = build()
-    res = {"command": " ".join(sys.argv), "machine": platform.processor() or platform.machine(), "rows": {}}
+    res = {"command": command(), "machine": platform.processor() or platform.machine(), "rows": {}}
     seen = set()
     for model in a.models:
         for K, N in shapes(model):
@@ -115,9 +108,7 @@ def main(argv=None):
             row["rows_bit_identical_across_batches"] = bool(same)
             print(f"{K:5d} -> {N:5d}: a row's bits the same in every batch: {same}", flush=True)
             res["rows"][f"{K}x{N}"] = row
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {a.out}")
+    write_json(a.out, res)
 
 
 if __name__ == "__main__":

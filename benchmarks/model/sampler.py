@@ -1,25 +1,27 @@
-"""The sampler at batch 1 / 8 / 64, before and after (issue 13): `sample` against the draw it must
-reproduce (`reference_probs` over every row, which is what `sample` did before), on logits the
-shipped model produced, for the parameter sets clients send. Prints ms per call, the speed-up,
-the share of rows drawn by the reference itself (`reference_draw`: rows without filters and rows
-with top-k / top-p leave it only the ones near a boundary, and batches of 1-3 filtered rows), and
-checks that the tokens agree.
+"""The sampler at batch 1 / 8 / 64: `sample` against the draw it must reproduce (`reference_probs`
+over every row, a full sort per row), on logits the shipped model produced, for the parameter sets
+clients send. Prints ms per call of each, the speed-up, the share of rows `sample` hands to the
+reference itself (`reference_draw`: rows with top-k / top-p near a boundary, and batches of 1-3
+filtered rows), and checks that the tokens agree; writes the same table to --out.
 
-    python benchmarks/sampling_bench.py                      # one thread, batches 1 8 64
-    python benchmarks/sampling_bench.py --model mamba --reps 50
+    python -m benchmarks.model.sampler                      # one thread, batches 1 8 64
+    python -m benchmarks.model.sampler --model mamba --reps 50 --out /tmp/sampler.txt
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from model import WEIGHTS, sampling
-from model.generate import decode_one_token, prefill
-from model.hf import load_checkpoint
-from model.sampling import SamplingParams, reference_probs, sample
+from benchmarks.common import command
+from linstream.model import WEIGHTS, sampling
+from linstream.model.generate import decode_one_token, prefill
+from linstream.model.hf import load_checkpoint
+from linstream.model.sampling import SamplingParams, reference_probs, sample
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 SETTINGS = {  # name -> SamplingParams fields
@@ -31,8 +33,8 @@ SETTINGS = {  # name -> SamplingParams fields
 }
 
 
-def before(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
-    """`sample` as it was: every row through logits_to_probs' full sort, a uniform drawn per row."""
+def reference(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
+    """The reference draw: every row through the full sort of `reference_probs`, a uniform drawn per row."""
     dev = logits.device
     greedy = logits.argmax(-1)
     if all(p.temperature == 0 for p in params):
@@ -79,11 +81,17 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=24, help="decode steps of logits collected (x 64 rows)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="benchmarks/results/model/sampler.txt", help="the printed table, as text")
     a = ap.parse_args(argv)
+    lines = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
     torch.set_num_threads(a.threads)
     pool = real_logits(a.model, 64, a.steps)
-    print(f"{a.model}: {len(pool)} rows of logits, V = {pool.shape[1]}, {a.threads} thread(s)")
-    print(f"{'setting':<26} {'batch':>5} {'before ms':>10} {'after ms':>9} {'speed-up':>8} {'by ref':>7}")
+    say(f"{a.model}: {len(pool)} rows of logits, V = {pool.shape[1]}, {a.threads} thread(s)")
+    say(f"{'setting':<26} {'batch':>5} {'ref. ms':>10} {'sample ms':>9} {'speed-up':>8} {'by ref':>7}")
     redone = [0]
     ref = sampling.reference_draw
 
@@ -96,19 +104,22 @@ def main(argv=None) -> None:
             params = [SamplingParams(seed=i, **kw) for i in range(B)]
             batches = [pool[i:i + B] for i in range(0, len(pool) - B + 1, B)]
             agree = all(torch.equal(sample(x, params, [p.generator() for p in params]),
-                                    before(x, params, [p.generator() for p in params])) for x in batches)
+                                    reference(x, params, [p.generator() for p in params])) for x in batches)
             if not agree:
                 raise SystemExit(f"{name}, batch {B}: sample's tokens differ from the reference draw")
-            t_before = per_call(before, batches, params, a.reps)
+            t_ref = per_call(reference, batches, params, a.reps)
             redone[0] = 0
             sampling.reference_draw = counted
             try:
-                t_after = per_call(sample, batches, params, a.reps)
+                t_sample = per_call(sample, batches, params, a.reps)
             finally:
                 sampling.reference_draw = ref
             share = redone[0] / (a.reps * len(batches) * B)
-            print(f"{name:<26} {B:>5} {t_before:>10.3f} {t_after:>9.3f} {t_before / t_after:>7.1f}x {share:>7.1%}")
-    print("tokens identical to the reference draw in every batch")
+            say(f"{name:<26} {B:>5} {t_ref:>10.3f} {t_sample:>9.3f} {t_ref / t_sample:>7.1f}x {share:>7.1%}")
+    say("tokens identical to the reference draw in every batch")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(f"{command()}   ({os.cpu_count()} cores, {a.threads} thread(s))\n" + "\n".join(lines) + "\n")
+    print(f"wrote {a.out}")
 
 
 if __name__ == "__main__":

@@ -2,14 +2,14 @@
 bits/byte, decode ms/token and state bytes per session at two context lengths, chunked-prefill
 throughput, and a seeded sample. In-process, one torch thread, batch 1.
 
-    python benchmarks/models_table.py --out benchmarks/results/models_table
-    python benchmarks/models_table.py --models linear gla --contexts 128 4096   # a quick look
-    python benchmarks/models_table.py --models ./some-hf-mamba-dir --out /tmp/t  # any checkpoint dir
+    python -m benchmarks.model.table
+    python -m benchmarks.model.table --models linear gla --contexts 128 4096 --out /tmp/t   # a quick look
+    python -m benchmarks.model.table --models ./some-hf-mamba-dir --out /tmp/t  # any checkpoint dir
 
 A model is a shipped name or a checkpoint directory in either layout (an imported checkpoint has
 no training record: its tokens-trained and held-out columns are left blank).
 
-Writes OUT.md (the table) and OUT.json (every figure).
+Writes OUT.md (the table) and OUT.json (every figure); OUT defaults to benchmarks/results/model/table.
 """
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from model import WEIGHTS
-from model.timing import state_at, time_steps
-from model.generate import Generation, prefill
-from model.hf import load_checkpoint
-from model.sampling import SamplingParams
+from benchmarks.common import write_json
+from linstream.model import WEIGHTS
+from linstream.model.generate import Generation, prefill
+from linstream.model.hf import load_checkpoint
+from linstream.model.sampling import SamplingParams
+from linstream.model.timing import state_at, time_steps
 
 PROMPT = "ROMEO:\n"
 ALL = ["linear", "performer", "retnet", "gla", "rwkv", "mamba", "hybrid", "softmax"]
@@ -82,7 +83,7 @@ def main():
     ap.add_argument("--steps", type=int, default=30, help="decode steps timed per context")
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="benchmarks/results/models_table")
+    ap.add_argument("--out", default="benchmarks/results/model/table")
     ap.add_argument("--merge", action="store_true", help="keep OUT.json's rows for models not measured now")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -97,10 +98,9 @@ def main():
     print(md)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out + ".md").write_text(md + "\n")
-    Path(a.out + ".json").write_text(json.dumps({"machine": {"cpu": platform.processor() or platform.machine(),
-                                                             "threads": a.threads, "torch": torch.__version__},
-                                                 "rows": rows}, indent=2) + "\n")
-    print(f"wrote {a.out}.md and {a.out}.json")
+    print(f"wrote {a.out}.md")
+    write_json(a.out + ".json", {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
+                                             "torch": torch.__version__}, "rows": rows})
 
 
 if __name__ == "__main__":

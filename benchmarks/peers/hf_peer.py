@@ -1,4 +1,4 @@
-"""transformers' MambaForCausalLM holding the peer model's weights (benchmarks/peers_gguf.py):
+"""transformers' MambaForCausalLM holding the peer model's weights (twin_gguf.py):
 its `generate` timed per token, and its logits for the agreement check. linstream's Mamba mixer
 uses transformers' parameter names, so the weights load without renaming.
 """
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from model.lm import LM
-from model.timing import generate_ms_per_token
+from linstream.model.lm import LM
+from linstream.model.timing import generate_ms_per_token
 
 
 def why_unavailable() -> str | None:

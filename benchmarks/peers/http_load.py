@@ -1,4 +1,4 @@
-"""Concurrent streaming clients for benchmarks/peers.py, the same driver for every server.
+"""Concurrent streaming clients for benchmarks/peers/shipped.py, the same driver for every server.
 
 Each of C clients repeats one cycle until the level's time is up (the cycle in flight finishes):
   linstream  create a session with the prompt -> stream max_tokens -> delete it
@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable
 import httpx
 from httpx_sse import aconnect_sse
 
-from clients.sdk import AsyncClient, Done, LinstreamError
-from clients.stats import summary_ms
+from linstream.clients.sdk import AsyncClient, Done, LinstreamError
+from linstream.clients.stats import summary_ms
 
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}  # as `linstream loadtest`
 GREEDY = {"temperature": 0.0, "top_p": 1.0}  # as `linstream bench latency`

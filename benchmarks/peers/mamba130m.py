@@ -4,14 +4,15 @@ The shipped models have 3 M parameters; the Mamba-1 checkpoints people run start
 (d_model 768, 24 layers, d_state 16, expand 2, vocab 50,280, tied head). This builds that shape
 with random weights through transformers (nothing is downloaded), saves it in the Hugging Face
 layout, loads it the way `linstream serve -m DIR` does (model/hf.py, then the compiled step of
-model/compiled.py, built ahead of time: ~3 minutes on 2 cores the first time, then from the
-cache), and also with `--weights bfloat16` and `--weights int8` (our kernel over bfloat16 or int8
-panels: half or a quarter of the bytes), writes the same weights as a GGUF for llama.cpp (through
+model/compiled/, built ahead of time: minutes the first time, then from the cache), and also with
+`--weights bfloat16` and `--weights int8` (our kernel over bfloat16 or int8 panels: half or a
+quarter of the bytes), writes the same weights as a GGUF for llama.cpp (through
 llama-cpp-python), f32, f16 and Q8_0, and times one token's decode step at batch 1 on one thread
-each, the systems taking turns round by round. It checks that the three compute the same logits, and times linstream's step at larger
-batches (the engine's batch of sessions) on its own.
+each, the systems taking turns round by round. It checks that the three compute the same logits,
+and times linstream's step at larger batches (the engine's batch of sessions) on its own.
+Writes OUT.json.
 
-    python benchmarks/peers_130m.py --out benchmarks/results/peers_130m   # ~10 minutes on 2 cores, the first time
+    python -m benchmarks.peers.mamba130m   # about 10 minutes on 2 cores, the first time
 """
 from __future__ import annotations
 
@@ -27,16 +28,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import peers  # noqa: E402
-import peers_gguf  # noqa: E402
-import peers_hf  # noqa: E402
-import peers_llama  # noqa: E402
-from model import WEIGHTS  # noqa: E402
-from model.compiled import Stepper  # noqa: E402
-from model.generate import prefill  # noqa: E402
-from model.hf import load_checkpoint  # noqa: E402
-from model.timing import state_at, time_steps  # noqa: E402
+from benchmarks.common import command, write_json
+from benchmarks.peers import hf_peer, llama_peer, shipped, twin_gguf
+from linstream.model import WEIGHTS
+from linstream.model.compiled import Stepper
+from linstream.model.generate import prefill
+from linstream.model.hf import load_checkpoint
+from linstream.model.timing import state_at, time_steps
 
 SHAPE = {"hidden_size": 768, "num_hidden_layers": 24, "state_size": 16, "expand": 2, "conv_kernel": 4,
          "vocab_size": 50280}
@@ -72,13 +70,13 @@ def rounded_check(model, step_low: Stepper, tok) -> float:
     are large (see the README), so this is the check of the kernels themselves."""
     import copy
 
-    from model.lowp import BF16Linear, Int8Linear
+    from linstream.model.compiled.lowp import BF16Linear, Int8Linear
     rounded = copy.deepcopy(model)
     held = {n: m.weight for n, m in step_low.model.named_modules() if isinstance(m, (BF16Linear, Int8Linear))}
     for n, m in rounded.named_modules():
         if n in held:
             m.weight = torch.nn.Parameter(held[n])  # a new one: the tied embedding stays
-    ids = tok.encode(peers.PROMPT)
+    ids = tok.encode(shipped.PROMPT)
     a, b, worst = rounded.init_state(1), step_low.model.init_state(1), 0.0
     for t in ids:
         la, a = rounded.step(torch.tensor([t]), a)
@@ -93,11 +91,11 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="timed steps per system per round")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="linstream's step alone at these rows")
-    ap.add_argument("--out", default="benchmarks/results/peers_130m")
+    ap.add_argument("--out", default="benchmarks/results/peers/mamba130m", help="writes OUT.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
-    for why in (peers_llama.why_unavailable(), peers_hf.why_unavailable()):
+    for why in (llama_peer.why_unavailable(), hf_peer.why_unavailable()):
         if why:
             sys.exit(why)
     t_start = time.perf_counter()
@@ -107,9 +105,7 @@ def main(argv=None) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     res["seconds"] = round(time.perf_counter() - t_start, 1)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out + ".json").write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {a.out}.json in {res['seconds']:.0f} s")
+    write_json(a.out + ".json", res)
 
 
 def run(a, work: Path) -> dict:
@@ -127,10 +123,10 @@ def run(a, work: Path) -> dict:
                           "ready_s": round(time.perf_counter() - t0, 1)}
         print(f"linstream's step, {weights} weights: {json.dumps(built[weights])}", flush=True)
     step = steps["float32"]
-    ggufs = {kind: work / f"m-{kind}.gguf" for kind in peers_gguf.KINDS}
+    ggufs = {kind: work / f"m-{kind}.gguf" for kind in twin_gguf.KINDS}
     for kind, g in ggufs.items():
-        peers_gguf.write_gguf(model, path / "tokenizer.json", g, kind, eos=tok.vocab_size - 1)
-    llms = {kind: peers_llama.load(g) for kind, g in ggufs.items()}
+        twin_gguf.write_gguf(model, path / "tokenizer.json", g, kind, eos=tok.vocab_size - 1)
+    llms = {kind: llama_peer.load(g) for kind, g in ggufs.items()}
     hf = MambaForCausalLM.from_pretrained(path).eval()
 
     ctx = [random.Random(0).randrange(tok.vocab_size) for _ in range(a.context)]
@@ -138,12 +134,12 @@ def run(a, work: Path) -> dict:
     timers = {"linstream": lambda n: time_steps(step, st, n),
               "linstream_bf16": lambda n: time_steps(steps["bfloat16"], st, n),
               "linstream_int8": lambda n: time_steps(steps["int8"], st, n),
-              **{f"llama_cpp_{k}": (lambda n, llm=llm: peers_llama.decode_times(llm, ctx, n)) for k, llm in llms.items()}}
+              **{f"llama_cpp_{k}": (lambda n, llm=llm: llama_peer.decode_times(llm, ctx, n)) for k, llm in llms.items()}}
     print(f"decode at batch 1 after {a.context} tokens, one thread, {a.rounds} rounds taking turns ...", flush=True)
     inproc = best_of_rounds(timers, a.rounds, a.steps)
     inproc["linstream_eager"] = best_of_rounds({"e": lambda n: time_steps(model, st, n)}, 1, a.steps)["e"]
     ids = torch.tensor([ctx])
-    inproc["transformers"] = {"ms_per_token": round(peers_hf.generate_ms_per_token(hf, ids, 16), 3)}
+    inproc["transformers"] = {"ms_per_token": round(hf_peer.generate_ms_per_token(hf, ids, 16), 3)}
     for k, v in inproc.items():
         print(f"  {k:18s} {json.dumps(v)}", flush=True)
 
@@ -157,16 +153,16 @@ def run(a, work: Path) -> dict:
     # the same network in each: linstream float32 against llama.cpp f32 and transformers, llama.cpp
     # f16 against linstream float32, and linstream's bfloat16 weights against llama.cpp f32; with
     # the largest logit after the prompt, the scale the differences are read against
-    agree = {"linstream_f32": peers.agreement(model, llms["f32"], hf, tok),
-             "llama_cpp_f16_vs_linstream_f32": peers.agreement(model, llms["f16"], None, tok)["llama_cpp"],
-             "linstream_bf16_vs_llama_cpp_f32": peers.agreement(steps["bfloat16"].model, llms["f32"], None, tok)["llama_cpp"],
-             "largest_logit": round(float(prefill(model, tok.encode(peers.PROMPT), model.init_state(1)).next_logits.abs().max()), 3),
-             "llama_cpp_q8_0_vs_linstream_f32": peers.agreement(model, llms["q8_0"], None, tok)["llama_cpp"],
-             "linstream_int8_vs_llama_cpp_f32": peers.agreement(steps["int8"].model, llms["f32"], None, tok)["llama_cpp"],
+    agree = {"linstream_f32": shipped.agreement(model, llms["f32"], hf, tok),
+             "llama_cpp_f16_vs_linstream_f32": shipped.agreement(model, llms["f16"], None, tok)["llama_cpp"],
+             "linstream_bf16_vs_llama_cpp_f32": shipped.agreement(steps["bfloat16"].model, llms["f32"], None, tok)["llama_cpp"],
+             "largest_logit": round(float(prefill(model, tok.encode(shipped.PROMPT), model.init_state(1)).next_logits.abs().max()), 3),
+             "llama_cpp_q8_0_vs_linstream_f32": shipped.agreement(model, llms["q8_0"], None, tok)["llama_cpp"],
+             "linstream_int8_vs_llama_cpp_f32": shipped.agreement(steps["int8"].model, llms["f32"], None, tok)["llama_cpp"],
              "linstream_bf16_compiled_vs_bf16_rounded_f32": rounded_check(model, steps["bfloat16"], tok),
              "linstream_int8_compiled_vs_dequantized_f32": rounded_check(model, steps["int8"], tok)}
     print("agreement: " + json.dumps(agree), flush=True)
-    return {"command": "python " + " ".join(sys.argv), "machine": peers.machine(), "versions": peers.versions(),
+    return {"command": command(), "machine": shipped.machine(), "versions": shipped.versions(),
             "shape": SHAPE, "parameters": model.num_params(), "context": a.context,
             "linstream_step": built,
             "in_process_batch_1": inproc, "linstream_batches": batches, "agreement": agree}

@@ -1,4 +1,4 @@
-"""The table and the plot of benchmarks/peers.py, from its JSON."""
+"""The table and the plot of benchmarks/peers/shipped.py, from its JSON."""
 from __future__ import annotations
 
 SYSTEMS = (("llama_cpp", "llama.cpp (llama-cpp-python)"), ("linstream", "linstream `mamba`"),
@@ -18,7 +18,7 @@ def _get(d: dict | None, *keys):
 
 def table_rows(out: dict) -> list[dict]:
     """One dict per figure: a value per system (None where it does not apply or failed), the
-    issue's C++ llama.cpp figure where it quoted one, and the unit."""
+    quoted C++ llama.cpp figure where there is one (`reference`), and the unit."""
     ip, http, n = out["in_process"], out["http"], out["http"]["max_tokens"]
     get = _get
     rows = [
@@ -77,7 +77,7 @@ def _cell(v, unit: str, failed: bool) -> str:
 
 def render(rows: list[dict], out: dict) -> str:
     errs = out["errors"] | ({"llama_cpp": out["http"]["llama_cpp_error"]} if out["http"].get("llama_cpp_error") else {})
-    head = ["figure", *[name for _, name in SYSTEMS], "linstream vs llama.cpp", "llama.cpp C++ (issue 13, quoted)"]
+    head = ["figure", *[name for _, name in SYSTEMS], "linstream vs llama.cpp", "llama.cpp C++ (quoted)"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [r["figure"]]
@@ -93,11 +93,11 @@ def render(rows: list[dict], out: dict) -> str:
              f"{out['peer_model']['parameters']:,} parameters, f32 (linstream `mamba`: "
              f"{out['in_process']['linstream']['parameters']:,}); tokenizer: {out['peer_model']['tokenizer']}",
              "llama.cpp over HTTP is llama-cpp-python's Python server (`python -m llama_cpp.server`), which runs one "
-             "request at a time (the rest queue); the issue measured the C++ `llama-server`.",
+             "request at a time (the rest queue); the quoted figures are the C++ `llama-server`'s.",
              f"streams under load sample with {out['http'].get('sampling')}; llama.cpp's requests add top_k 0, min_p 0, "
              "repeat_penalty 1 (its sampler's defaults would add work linstream does not do), and forbid (logit_bias) "
              f"{out['http'].get('llama_cpp_forbidden_tokens')} tokens: end-of-text and the raw bytes that are not whole "
-             "UTF-8 characters (see llama_bias in peers.py)",
+             "UTF-8 characters (see llama_bias in shipped.py)",
              *bursts(out["http"]),
              "same network, linstream vs each: " + "; ".join(
                  f"{k}: max |logit diff| {v['max_abs_logit_diff']:.2e}, greedy equal {v['greedy_tokens_equal']}"
@@ -127,7 +127,7 @@ def plot(out: dict, path: str) -> None:
     lat = [r for r in rows if not r["unit"].startswith("tok/")]
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(18, 4.8))
     w = 0.2
-    for i, (key, name) in enumerate([*SYSTEMS, ("reference", "llama.cpp C++ (issue 13, quoted)")]):
+    for i, (key, name) in enumerate([*SYSTEMS, ("reference", "llama.cpp C++ (quoted)")]):
         xs = [j + (i - 1.5) * w for j, r in enumerate(lat) if r[key]]
         a.bar(xs, [r[key] for r in lat if r[key]], w, label=name, hatch="//" if key == "reference" else None,
               color=f"C{i}", alpha=0.6 if key == "reference" else 1.0)
@@ -147,7 +147,7 @@ def plot(out: dict, path: str) -> None:
             b.plot(cs, [r["tokens_per_s"] for r in lv], "o-", color=f"C{i}", label=name)
             c.plot(cs, [r.get("tokens_per_server_cpu_s") or 0 for r in lv], "o-", color=f"C{i}", label=name)
     ref = out["reference"]["tokens_per_s"]
-    b.plot([int(k) for k in ref], list(ref.values()), "s--", color="C3", alpha=0.6, label="llama.cpp C++ server (issue 13, quoted)")
+    b.plot([int(k) for k in ref], list(ref.values()), "s--", color="C3", alpha=0.6, label="llama.cpp C++ server (quoted)")
     for ax, title, yl in ((b, "Throughput over HTTP", "aggregate tokens / s"),
                           (c, "Per server CPU-second (steady under outside load)", "tokens / server CPU-second")):
         ax.set_xscale("log", base=2)

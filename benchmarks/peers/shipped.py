@@ -1,18 +1,17 @@
-"""linstream beside its peers on one machine: llama.cpp (through llama-cpp-python, the registry
-package that builds llama.cpp from the source it bundles) and transformers' MambaForCausalLM,
-measured the way issue 13's table is, one compute thread each. Prints the table with a column
-per system and writes JSON and a plot.
+"""linstream beside its peers on one machine: llama.cpp (through llama-cpp-python, which builds
+llama.cpp from the source it bundles) and transformers' MambaForCausalLM, one compute thread
+each. Prints the table with a column per system and writes JSON and a plot (OUT.json, OUT.png).
 
     pip install -e '.[bench]'
-    python benchmarks/peers.py                # about 3 minutes on 2 cores; --quick about 1.5
-    python benchmarks/peers.py --serve-arg=--store --serve-arg=memory   # extra `linstream serve` flags
+    python -m benchmarks.peers.shipped                # about 3 minutes on 2 cores; --quick about half
+    python -m benchmarks.peers.shipped --serve-arg=--store --serve-arg=memory   # extra `linstream serve` flags
 
-llama.cpp runs a random-weight Mamba-1 GGUF of the shipped `mamba` shape (see peers_gguf.py for
+llama.cpp runs a random-weight Mamba-1 GGUF of the shipped `mamba` shape (see twin_gguf.py for
 why it has 6 mixer-only layers, and for its tokenizer); linstream serves its shipped `mamba`. The
 same 6-layer network also runs in linstream and transformers, which is how the three are checked
 to compute the same logits. llama.cpp's server here is llama-cpp-python's Python/FastAPI server,
-not the C++ `llama-server` the issue measured; the issue's C++ figures are quoted under
-`reference`, not measured here.
+not the C++ `llama-server`; figures quoted for the C++ server are under `reference`, not
+measured here.
 """
 from __future__ import annotations
 
@@ -23,26 +22,19 @@ import platform
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import peers_gguf  # noqa: E402
-import peers_hf  # noqa: E402
-import peers_http  # noqa: E402
-import peers_llama  # noqa: E402
-import peers_report  # noqa: E402
-from harness.local_server import LocalServer, wait_compiled  # noqa: E402
-from clients.stats import pct  # noqa: E402
-from model.timing import state_at, time_steps  # noqa: E402  (the decode path linstream's engine uses)
-from model.compiled import Stepper  # noqa: E402
-from model.generate import decode_one_token, prefill  # noqa: E402
-from model.lm import LM  # noqa: E402
-from model.tokenizer import Tokenizer  # noqa: E402
+from benchmarks.common import command, pct, process_cpu, served, write_json
+from benchmarks.peers import hf_peer, http_load, llama_peer, report, twin_gguf
+from linstream.model.compiled import Stepper
+from linstream.model.generate import decode_one_token, prefill
+from linstream.model.lm import LM
+from linstream.model.timing import state_at, time_steps  # the decode path linstream's engine uses
+from linstream.model.tokenizer import Tokenizer
 
 REFERENCE = {
     "source": "quoted from issue 13, NOT measured here: llama.cpp built from source at commit 3f545bec, "
@@ -57,13 +49,13 @@ def in_process(lm_shipped: LM, twin: LM, llm, hf, context: int, steps: int, roun
     load on the machine falls on all of them rather than on one; the table quotes the lowest of
     the rounds' medians (the round least disturbed), the JSON the overall median as well."""
     ctx = [random.Random(0).randrange(twin.cfg.vocab_size) for _ in range(context)]
-    # what the server steps with: the compiled step where a C++ compiler exists (model/compiled.py)
+    # what the server steps with: the compiled step where a C++ compiler exists (model/compiled/)
     steps_with = {m: Stepper(m, "auto", background=False) for m in (lm_shipped, twin)}
     timers = {"linstream": lambda n: time_steps(steps_with[lm_shipped], state_at(lm_shipped, context), n),
               "linstream_twin": lambda n: time_steps(steps_with[twin], state_at(twin, context), n),
               "linstream_eager": lambda n: time_steps(lm_shipped, state_at(lm_shipped, context), n)}
     if llm is not None:
-        timers["llama_cpp"] = lambda n: peers_llama.decode_times(llm, ctx, n)
+        timers["llama_cpp"] = lambda n: llama_peer.decode_times(llm, ctx, n)
     times = {k: [] for k in timers}
     for _ in range(rounds):
         for k, timer in timers.items():
@@ -77,7 +69,7 @@ def in_process(lm_shipped: LM, twin: LM, llm, hf, context: int, steps: int, roun
     for k, m in (("linstream", lm_shipped), ("linstream_twin", twin)):
         res[k]["path"] = "compiled" if steps_with[m].compiled is not None else "eager"
     if hf is not None:  # tens of times slower: a few whole generations, after the others
-        runs = [peers_hf.generate_ms(hf, ctx, 64) for _ in range(3)]
+        runs = [hf_peer.generate_ms(hf, ctx, 64) for _ in range(3)]
         res["transformers"] = {"ms_best_round": min(r["ms_per_token"] for r in runs),
                                "ms_per_token": [r["ms_per_token"] for r in runs], "tokens": 64}
     return res
@@ -94,15 +86,15 @@ def agreement(twin: LM, llm, hf, tok: Tokenizer) -> dict:
         logits, state = decode_one_token(twin, torch.tensor([t]), state)
         ours.append(logits[0])
     res = {"prompt_tokens": len(prompt), "single_steps": len(follow)}
-    for name, trace in (("llama_cpp", llm and peers_llama.logits_trace(llm, prompt, follow)),
-                        ("transformers", hf and peers_hf.logits_trace(hf, prompt, follow))):
+    for name, trace in (("llama_cpp", llm and llama_peer.logits_trace(llm, prompt, follow)),
+                        ("transformers", hf and hf_peer.logits_trace(hf, prompt, follow))):
         if trace is None:
             continue
         theirs = [torch.as_tensor(x).float() for x in trace]
         res[name] = {"max_abs_logit_diff": max(float((a - b).abs().max()) for a, b in zip(ours, theirs)),
                      "greedy_tokens_equal": all(int(a.argmax()) == int(b.argmax()) for a, b in zip(ours, theirs))}
     if llm is not None:
-        res["llama_cpp"]["tokenization_equal"] = peers_llama.tokenize(llm, PROMPT) == prompt
+        res["llama_cpp"]["tokenization_equal"] = llama_peer.tokenize(llm, PROMPT) == prompt
     return res
 
 
@@ -110,9 +102,9 @@ def llama_bias(tok: Tokenizer, eos: int) -> dict:
     """logit_bias forbidding llama.cpp's end-of-text token (linstream has none and always writes
     max_tokens) and the tokens that are not valid UTF-8 alone (the 128 raw high bytes).
     A random-weight model samples them freely, and llama-cpp-python then holds tokens back and
-    decodes the whole text again each step: 2.2-2.6 ms/token instead of 0.6-0.75 through its
-    create_completion on this machine. A trained model, like linstream's, writes whole
-    characters, so llama.cpp is spared that cost; the bias itself costs it a Python loop of 128."""
+    decodes the whole text again each step, several times the cost of a token through its
+    create_completion. A trained model, like linstream's, writes whole characters, so llama.cpp
+    is spared that cost; the bias itself costs it a Python loop of 128."""
     def whole(i):
         try:
             tok.decode_bytes([i]).decode("utf-8")
@@ -125,7 +117,7 @@ def llama_bias(tok: Tokenizer, eos: int) -> dict:
 def over_http(a, gguf: Path, workdir: Path, levels: list[int], llama_error: str | None) -> dict:
     """Both servers up side by side, taking turns level by level, so that load from elsewhere on
     the machine does not fall on one system's whole series."""
-    extra = llama_bias(Tokenizer(peers_gguf.MAMBA / "tokenizer.json"), peers_gguf.EOS)
+    extra = llama_bias(Tokenizer(twin_gguf.MAMBA / "tokenizer.json"), twin_gguf.EOS)
     res = {"prompt": PROMPT, "max_tokens": a.tokens, "duration_s": a.duration, "levels": levels,
            "linstream": [], "llama_cpp": [],
            "llama_cpp_server": "llama-cpp-python's server runs one request at a time on its one model; "
@@ -133,58 +125,52 @@ def over_http(a, gguf: Path, workdir: Path, levels: list[int], llama_error: str 
                                "would cut the stream in flight short)",
            "llama_cpp_forbidden_tokens": len(extra["logit_bias"])}
     store = ["--store", f"disk:{workdir / 'store'}"]  # the default kind of store, somewhere disposable
-    lin, llama = LocalServer(["mamba"], None, *store, *a.serve_arg, threads=1), None
-    steps = wait_compiled(lin.url)  # measure what it serves with once the compile is done
-    print(f"  linstream decode step: {steps}", flush=True)
-    try:
+    llama = None
+    # measure what it serves with once the compile is done
+    with served(["mamba"], *store, *a.serve_arg, threads=1, compiled=True) as lin:
+        print(f"  linstream decode step: {lin.steps}", flush=True)
         if llama_error is None:
             try:
-                llama = peers_llama.LlamaServer(gguf, workdir / "llama_server.log")
+                llama = llama_peer.LlamaServer(gguf, workdir / "llama_server.log")
             except RuntimeError as e:
                 res["llama_cpp_error"] = str(e)
                 print(f"  {e}", flush=True)
-        # one stream, greedy and twice as long, as `linstream bench latency` measures the gap
-        res["single_stream"] = {"max_tokens": 2 * a.tokens, "sampling": peers_http.GREEDY}
-        print(f"  one stream, greedy, {2 * a.tokens} tokens:", flush=True)
-        res["single_stream"]["linstream"] = peers_http.linstream_levels(
-            lin.url, "mamba", PROMPT, 2 * a.tokens, [1], a.duration / 2, peers_http.GREEDY)[0]
-        if llama is not None:
-            res["single_stream"]["llama_cpp"] = peers_http.llama_levels(
-                llama.url, PROMPT, 2 * a.tokens, [1], a.duration / 2, peers_http.GREEDY, extra)[0]
-        res["sampling"] = peers_http.SAMPLING
-        print(f"  concurrent streams, sampled {peers_http.SAMPLING}, {a.tokens} tokens each:", flush=True)
-        for conc in levels:
-            res["linstream"].append(on_cpu(lin.proc.pid, lambda: peers_http.linstream_levels(
-                lin.url, "mamba", PROMPT, a.tokens, [conc], a.duration)[0]))
+        try:
+            # one stream, greedy and twice as long, as `linstream bench latency` measures the gap
+            res["single_stream"] = {"max_tokens": 2 * a.tokens, "sampling": http_load.GREEDY}
+            print(f"  one stream, greedy, {2 * a.tokens} tokens:", flush=True)
+            res["single_stream"]["linstream"] = http_load.linstream_levels(
+                lin.url, "mamba", PROMPT, 2 * a.tokens, [1], a.duration / 2, http_load.GREEDY)[0]
             if llama is not None:
-                res["llama_cpp"].append(on_cpu(llama.proc.pid, lambda: peers_http.llama_levels(
-                    llama.url, PROMPT, a.tokens, [conc], a.duration, peers_http.SAMPLING, extra)[0]))
-    finally:
-        lin.stop()
-        if llama is not None:
-            llama.stop()
+                res["single_stream"]["llama_cpp"] = http_load.llama_levels(
+                    llama.url, PROMPT, 2 * a.tokens, [1], a.duration / 2, http_load.GREEDY, extra)[0]
+            res["sampling"] = http_load.SAMPLING
+            print(f"  concurrent streams, sampled {http_load.SAMPLING}, {a.tokens} tokens each:", flush=True)
+            for conc in levels:
+                res["linstream"].append(on_cpu(lin.proc.pid, lambda: http_load.linstream_levels(
+                    lin.url, "mamba", PROMPT, a.tokens, [conc], a.duration)[0]))
+                if llama is not None:
+                    res["llama_cpp"].append(on_cpu(llama.proc.pid, lambda: http_load.llama_levels(
+                        llama.url, PROMPT, a.tokens, [conc], a.duration, http_load.SAMPLING, extra)[0]))
+        finally:
+            if llama is not None:
+                llama.stop()
     return res
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc; fields 14 and 15 of stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def on_cpu(pid: int, level) -> dict:
     """Run a level and add the server's CPU time over it: tokens per server CPU-second holds
     still when other work on a shared machine takes the cores away, which tokens/s does not."""
-    c0 = cpu_seconds(pid)
+    c0 = process_cpu(pid)
     r = level()
-    r["server_cpu_s"] = round(cpu_seconds(pid) - c0, 3)
+    r["server_cpu_s"] = round(process_cpu(pid) - c0, 3)
     r["tokens_per_server_cpu_s"] = r["tokens"] / r["server_cpu_s"] if r["server_cpu_s"] else None
     return r
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer steps and shorter levels (about 1.5 minutes)")
+    ap.add_argument("--quick", action="store_true", help="fewer steps and shorter levels")
     ap.add_argument("--context", type=int, default=128, help="tokens in the state before timed decoding")
     ap.add_argument("--steps", type=int, default=300, help="timed single-token steps in process")
     ap.add_argument("--tokens", type=int, default=128, help="tokens per streamed generation")
@@ -192,7 +178,7 @@ def main(argv=None):
     ap.add_argument("--duration", type=float, default=15.0, help="seconds per concurrency level")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `linstream serve` argument (repeat)")
     ap.add_argument("--gguf", help="keep the peer model's GGUF at this path (default: a temporary file)")
-    ap.add_argument("--out", default="benchmarks/results/peers")
+    ap.add_argument("--out", default="benchmarks/results/peers/shipped", help="writes OUT.json and OUT.png")
     a = ap.parse_args(argv)
     if a.quick:
         a.steps, a.duration = 100, 5.0
@@ -209,47 +195,46 @@ def main(argv=None):
 def run(a, levels: list[int], workdir: Path) -> None:
     t_start = time.perf_counter()
 
-    twin = peers_gguf.twin_model(seed=0)
+    twin = twin_gguf.twin_model(seed=0)
     gguf = Path(a.gguf) if a.gguf else workdir / "mamba-peer-f32.gguf"
-    peers_gguf.write_gguf(twin, peers_gguf.MAMBA / "tokenizer.json", gguf)
-    print(f"peer model: {gguf} ({twin.num_params():,} parameters, {peers_gguf.TWIN_LAYERS} mixer-only Mamba layers)")
-    llama_error, hf_error = peers_llama.why_unavailable(), peers_hf.why_unavailable()
+    twin_gguf.write_gguf(twin, twin_gguf.MAMBA / "tokenizer.json", gguf)
+    print(f"peer model: {gguf} ({twin.num_params():,} parameters, {twin_gguf.TWIN_LAYERS} mixer-only Mamba layers)")
+    llama_error, hf_error = llama_peer.why_unavailable(), hf_peer.why_unavailable()
     llm = hf = None
     if llama_error is None:
         try:
-            llm = peers_llama.load(gguf)
+            llm = llama_peer.load(gguf)
         except Exception as e:  # llama.cpp refusing the GGUF is a result to report, not a crash
-            llama_error = f"llama.cpp could not load the GGUF: {type(e).__name__}: {e}: {peers_llama.load_error(gguf)}"
+            llama_error = f"llama.cpp could not load the GGUF: {type(e).__name__}: {e}: {llama_peer.load_error(gguf)}"
     if hf_error is None:
-        hf = peers_hf.to_transformers(twin)
+        hf = hf_peer.to_transformers(twin)
     for err in (llama_error, hf_error):
         if err:
             print("  " + err)
 
     print("in-process decode, batch 1, one thread ...", flush=True)
     load_at_start = os.getloadavg()[0]
-    inproc = in_process(LM.load(peers_gguf.MAMBA), twin, llm, hf, a.context, a.steps)
-    agree = agreement(twin, llm, hf, Tokenizer(peers_gguf.MAMBA / "tokenizer.json"))
+    inproc = in_process(LM.load(twin_gguf.MAMBA), twin, llm, hf, a.context, a.steps)
+    agree = agreement(twin, llm, hf, Tokenizer(twin_gguf.MAMBA / "tokenizer.json"))
     print("  agreement with linstream on the same network: " + json.dumps({k: v for k, v in agree.items()
                                                                             if isinstance(v, dict)}))
     del llm  # the server below loads its own copy
     print(f"over HTTP: {levels} concurrent clients, each repeating create -> generate {a.tokens} -> delete ...",
           flush=True)
     http = over_http(a, gguf, workdir, levels, llama_error)
-    out = {"command": "python " + " ".join(sys.argv), "machine": machine() | {"load_average_1min_at_start": load_at_start}, "versions": versions(),
-           "peer_model": {"layers": peers_gguf.TWIN_LAYERS, "parameters": twin.num_params(), "dtype": "f32",
+    out = {"command": command(), "machine": machine() | {"load_average_1min_at_start": load_at_start}, "versions": versions(),
+           "peer_model": {"layers": twin_gguf.TWIN_LAYERS, "parameters": twin.num_params(), "dtype": "f32",
                           "tokenizer": "linstream's byte-level BPE (2,048 tokens, merges, GPT-2 pre-tokenizer); "
-                                       f"EOS = token {peers_gguf.EOS}, forbidden by logit_bias"},
+                                       f"EOS = token {twin_gguf.EOS}, forbidden by logit_bias"},
            "in_process": inproc, "agreement": agree, "http": http,
            "errors": {k: v for k, v in (("llama_cpp", llama_error), ("transformers", hf_error)) if v},
            "reference": REFERENCE, "seconds": round(time.perf_counter() - t_start, 1)}
-    rows = peers_report.table_rows(out)
-    print(peers_report.render(rows, out))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    rows = report.table_rows(out)
+    print(report.render(rows, out))
     out["table"] = rows
-    Path(a.out + ".json").write_text(json.dumps(out, indent=2) + "\n")
-    peers_report.plot(out, a.out + ".png")
-    print(f"wrote {a.out}.json and {a.out}.png in {out['seconds']:.0f} s")
+    write_json(a.out + ".json", out)
+    report.plot(out, a.out + ".png")
+    print(f"wrote {a.out}.png; {out['seconds']:.0f} s in all")
 
 
 def machine() -> dict:
@@ -262,9 +247,9 @@ def machine() -> dict:
 
 def versions() -> dict:
     v = {"python": platform.python_version(), "torch": torch.__version__}
-    if peers_llama.why_unavailable() is None:
-        v["llama_cpp_python"] = peers_llama.version()
-    if peers_hf.why_unavailable() is None:
+    if llama_peer.why_unavailable() is None:
+        v["llama_cpp_python"] = llama_peer.version()
+    if hf_peer.why_unavailable() is None:
         import transformers
         v["transformers"] = transformers.__version__
     return v

@@ -1,11 +1,11 @@
-"""The model llama.cpp runs in benchmarks/peers.py: a Mamba-1 GGUF of the shipped `mamba` shape.
+"""The model llama.cpp runs in benchmarks/peers/shipped.py: a Mamba-1 GGUF of the shipped `mamba` shape.
 
 llama.cpp's `mamba` architecture is a stack of (RMSNorm -> Mamba mixer -> residual) blocks with
 no MLP, while linstream's blocks carry an MLP as well, so the shipped checkpoint does not map onto
 it. The peer model is therefore linstream's own LM built mixer-only (`mlp_ratio` 0: blocks of
-norm + mixer alone, as linstream builds imported Mamba checkpoints) with 6 layers instead of 4, which brings the parameter
-count to the shipped model's (3.08 M vs 3.28 M; the issue's table used the same shape), with
-linstream's random initialisation. Its weights are written into the GGUF unchanged, so the same
+norm + mixer alone, as linstream builds imported Mamba checkpoints) with 6 layers instead of 4,
+which brings the parameter count close to the shipped model's, with linstream's random
+initialisation. Its weights are written into the GGUF unchanged, so the same
 network runs in linstream, llama.cpp and transformers and their logits can be compared.
 
 The GGUF carries linstream's own byte-level BPE tokenizer (2,048 tokens and their merges, the
@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model import WEIGHTS
-from model.config import ModelConfig
-from model.lm import LM
+from linstream.model import WEIGHTS
+from linstream.model.config import ModelConfig
+from linstream.model.lm import LM
 
 MAMBA = WEIGHTS / "mamba"  # the shipped model whose shape the twin copies
 TWIN_LAYERS = 6

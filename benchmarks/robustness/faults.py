@@ -3,20 +3,18 @@ hanging up at random points, then SIGTERM (or SIGKILL) while every session is mi
 a fresh server on the same disk store; every session is checked against what its client saw
 (see harness/chaos.py for the rules). Prints the figures and writes JSON; exits 1 on any failure.
 
-    python benchmarks/faults.py --concurrency 256 --duration 30 --signal term
-    python benchmarks/faults.py --concurrency 256 --duration 30 --signal kill
+    python -m benchmarks.robustness.faults --concurrency 256 --duration 30 --signal term
+    python -m benchmarks.robustness.faults --concurrency 256 --duration 30 --signal kill
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
-from pathlib import Path
 
+from benchmarks.common import LocalServer, command, write_json
 from harness.chaos import failures, run
-from harness.local_server import LocalServer
 
 
 def main():
@@ -27,12 +25,12 @@ def main():
     ap.add_argument("--hangup", type=float, default=0.3, help="chance that a client hangs up during a stream")
     ap.add_argument("--model", default="linear")
     ap.add_argument("--grace", type=int, default=10, help="seconds streams may run on after SIGTERM")
-    ap.add_argument("--out", default=None, help="JSON (default benchmarks/results/faults_SIGNAL.json)")
+    ap.add_argument("--out", default=None, help="JSON (default benchmarks/results/robustness/faults_SIGNAL.json)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         env = {"LINSTREAM_STORE": f"disk:{d}/store", "LINSTREAM_GRACEFUL_SHUTDOWN_S": str(a.grace)}
         res = asyncio.run(run(lambda: LocalServer([a.model], env), a.concurrency, a.duration, a.signal, a.hangup))
-    res["command"] = "python benchmarks/faults.py " + " ".join(sys.argv[1:])
+    res["command"] = command()
     print(f"{a.concurrency} sessions, {res['streams']} streams in {res['load_s']:.0f} s, {res['hangups']} hang-ups; "
           f"SIG{a.signal.upper()} with {res['mid_stream_at_signal']} mid-stream, {res['ended_with_done']} of them ended with "
           f"a done event (exit {res['exit_code']}); "
@@ -43,9 +41,7 @@ def main():
           f"errors {len(res['errors'])}")
     for e in res["errors"][:5]:
         print("  error:", e)
-    out = Path(a.out or f"benchmarks/results/faults_{a.signal}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
+    write_json(a.out or f"benchmarks/results/robustness/faults_{a.signal}.json", res)
     bad = failures(res)
     if bad:
         print("FAILED:", "; ".join(bad))

@@ -1,7 +1,7 @@
 """The long API fuzzing run: schemathesis against a real server's own OpenAPI schema, many more
 examples per operation than the test suite's short run, then a check that the server still serves.
 
-    python benchmarks/fuzz_api.py --examples 200 --out benchmarks/results/fuzz_api.json
+    python -m benchmarks.robustness.fuzz_api --examples 200
 
 Checks: no 5xx (`not_a_server_error`) and every response matches the schema
 (`response_schema_conformance`). Serves the shipped `linear` and `rwkv` models with an in-memory
@@ -10,28 +10,24 @@ store and small limits, so generated requests stay cheap.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness.local_server import LocalServer  # noqa: E402
+from benchmarks.common import command, served, write_json
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--examples", type=int, default=200, help="hypothesis examples per operation")
     ap.add_argument("--models", nargs="+", default=["linear", "rwkv"])
-    ap.add_argument("--out", default="benchmarks/results/fuzz_api.json")
+    ap.add_argument("--out", default="benchmarks/results/robustness/fuzz_api.json")
     a = ap.parse_args()
     env = {"LINSTREAM_STORE": "memory", "LINSTREAM_MAX_NEW_TOKENS": "32", "LINSTREAM_MAX_PROMPT_TOKENS": "256"}
-    srv = LocalServer(a.models, env, cwd=str(Path(__file__).resolve().parent.parent))
-    try:
+    with served(a.models, env=env) as srv:
         t0 = time.time()
         r = subprocess.run(["schemathesis", "run", f"{srv.url}/openapi.json", "--checks",
                             "not_a_server_error,response_schema_conformance", "--max-examples", str(a.examples),
@@ -40,18 +36,15 @@ def main():
         wall = time.time() - t0
         healthy = httpx.get(srv.url + "/healthz").status_code == 200
         stats = srv.stats()
-    finally:
-        srv.stop()
     tail = r.stdout[-3000:]
     print(tail)
     m = re.search(r"(\d+) generated, (\d+) passed", tail)
     generated, passed = (int(m.group(1)), int(m.group(2))) if m else (None, None)
-    res = {"examples_per_operation": a.examples, "models": a.models, "exit_code": r.returncode, "wall_seconds": round(wall, 1),
+    res = {"command": command(), "examples_per_operation": a.examples, "models": a.models, "exit_code": r.returncode, "wall_seconds": round(wall, 1),
            "server_healthy_after": healthy, "server_rss_bytes_after": stats["rss_bytes"], "summary_tail": tail[-1200:],
            "test_cases_generated": generated, "test_cases_passed": passed}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
-    print(f"exit {r.returncode}, {wall:.0f} s, healthy afterwards: {healthy}; wrote {a.out}")
+    write_json(a.out, res)
+    print(f"exit {r.returncode}, {wall:.0f} s, healthy afterwards: {healthy}")
     sys.exit(r.returncode)
 
 

@@ -5,26 +5,24 @@ before, at most --rate a second), then quiet again (the two quiet phases show th
 drift). Each hostile phase follows its twin, the benign request of the same shape (endpoint,
 size, kind of work), and its p99 gap is given as a ratio to the first quiet phase's and to the
 twin's (goal: within 1.5x). A request that outlasts a phase (a 65,536-token prefill) stretches
-its phase to its end. Writes benchmarks/results/hostile_stall.json.
+its phase to its end. Writes JSON (--out).
 
-    python benchmarks/hostile_stall.py --phase-s 5
+    python -m benchmarks.robustness.hostile_stall --phase-s 5
+    python -m benchmarks.robustness.hostile_stall --phase-s 5 --prefill-share 0 --out /tmp/share0.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import multiprocessing as mp
 import socket
 import time
-from pathlib import Path
 
 import httpx
 
-from harness.local_server import LocalServer
-from clients.stats import pct
-from model.tokenizer import Tokenizer
-from server.settings import Settings
+from benchmarks.common import command, pct, served, write_json
+from linstream.model.tokenizer import Tokenizer
+from linstream.server.core.settings import Settings
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
 
@@ -124,7 +122,7 @@ def main():
     ap.add_argument("--max-prompt-tokens", type=int, default=65536)
     ap.add_argument("--prefill-chunk", type=int, default=None, help="the server's prefill_chunk (default: its own)")
     ap.add_argument("--prefill-share", type=float, default=None, help="the server's prefill_share (default: its own)")
-    ap.add_argument("--out", default="benchmarks/results/hostile_stall.json")
+    ap.add_argument("--out", default="benchmarks/results/robustness/hostile_stall.json")
     a = ap.parse_args()
     env = {"LINSTREAM_STORE": "memory", "LINSTREAM_MAX_NEW_TOKENS": "1000000",
            "LINSTREAM_MAX_PROMPT_TOKENS": str(a.max_prompt_tokens)}
@@ -132,33 +130,29 @@ def main():
         env["LINSTREAM_PREFILL_CHUNK"] = str(a.prefill_chunk)
     if a.prefill_share is not None:
         env["LINSTREAM_PREFILL_SHARE"] = str(a.prefill_share)
-    srv = LocalServer([a.model], env, threads=1)
     max_prompt_bytes = 16 * a.max_prompt_tokens  # the server's default
     stop = mp.Event()
-    try:
-        with httpx.Client(base_url=srv.url, timeout=300) as c:
-            tok = Tokenizer(Settings().checkpoint(a.model) / "tokenizer.json")
-            kinds = phases(c, tok, max_prompt_bytes, a.max_prompt_tokens)
-            sid = c.post("/v1/sessions", json={"prompt": PROMPT}).json()["id"]
-            mine, theirs = mp.Pipe()
-            proc = mp.Process(target=victim, args=(srv.url, sid, stop, theirs), daemon=True)
-            proc.start()
-            assert mine.recv() == "warm"
-            ran = []
-            for name, twin, send in [("quiet", None, None), *kinds, ("quiet_after", None, None)]:
-                t0, statuses, n = time.perf_counter(), set(), 0
-                while (now := time.perf_counter()) - t0 < a.phase_s:
-                    if send is None or now < t0 + n / a.rate:  # at most --rate requests a second
-                        time.sleep(0.05 if send is None else t0 + n / a.rate - now)
-                        continue
-                    statuses.add(send())
-                    n += 1
-                ran.append((name, twin, t0, time.perf_counter(), n, sorted(map(str, statuses))))
-            stop.set()
-            arrivals = mine.recv()
-            proc.join()
-    finally:
-        srv.stop()
+    with served([a.model], env=env, threads=1) as srv, httpx.Client(base_url=srv.url, timeout=300) as c:
+        tok = Tokenizer(Settings().checkpoint(a.model) / "tokenizer.json")
+        kinds = phases(c, tok, max_prompt_bytes, a.max_prompt_tokens)
+        sid = c.post("/v1/sessions", json={"prompt": PROMPT}).json()["id"]
+        mine, theirs = mp.Pipe()
+        proc = mp.Process(target=victim, args=(srv.url, sid, stop, theirs), daemon=True)
+        proc.start()
+        assert mine.recv() == "warm"
+        ran = []
+        for name, twin, send in [("quiet", None, None), *kinds, ("quiet_after", None, None)]:
+            t0, statuses, n = time.perf_counter(), set(), 0
+            while (now := time.perf_counter()) - t0 < a.phase_s:
+                if send is None or now < t0 + n / a.rate:  # at most --rate requests a second
+                    time.sleep(0.05 if send is None else t0 + n / a.rate - now)
+                    continue
+                statuses.add(send())
+                n += 1
+            ran.append((name, twin, t0, time.perf_counter(), n, sorted(map(str, statuses))))
+        stop.set()
+        arrivals = mine.recv()
+        proc.join()
     rows, p99s = [], {}
     for name, twin, t0, t1, n, statuses in ran:
         g = gaps_within(arrivals, t0, t1)
@@ -176,13 +170,10 @@ def main():
         print(f"{r['phase']:<20}{r['twin'] or '-':<18}{r['requests']:>5}  {','.join(r['statuses']) or '-':<10}"
               f"{r['tokens']:>7}{r['p50_ms'] or 0:>8.2f}{r['p99_ms'] or 0:>8.2f}{r['max_ms'] or 0:>8.2f}"
               f"{r['p99_vs_quiet'] or 0:>8.2f}{r['p99_vs_twin'] or 0:>7.2f}")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": "python benchmarks/hostile_stall.py " + " ".join(sys.argv[1:]),
-                               "model": a.model, "threads": 1, "phase_s": a.phase_s, "rate": a.rate,
-                               "max_prompt_tokens": a.max_prompt_tokens, "prefill_chunk": a.prefill_chunk,
-                               "prefill_share": a.prefill_share, "max_prompt_bytes": max_prompt_bytes,
-                               "phases": rows}, indent=2) + "\n")
+    write_json(a.out, {"command": command(), "model": a.model, "threads": 1, "phase_s": a.phase_s, "rate": a.rate,
+                       "max_prompt_tokens": a.max_prompt_tokens, "prefill_chunk": a.prefill_chunk,
+                       "prefill_share": a.prefill_share, "max_prompt_bytes": max_prompt_bytes, "phases": rows})
+
 
 if __name__ == "__main__":
     main()

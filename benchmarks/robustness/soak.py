@@ -7,8 +7,8 @@ reached its steady value; see steady_from), or --warmup seconds. Memory growth a
 given two ways: the highest sample over the first one after warm-up, and the mean of the last
 10 s of load over the mean of the first 10 s after warm-up (the drift).
 
-    python benchmarks/soak.py --concurrency 256 --duration 60 --out benchmarks/results/soak.json
-    python benchmarks/soak.py --allocator glibc --out benchmarks/results/soak_glibc.json
+    python -m benchmarks.robustness.soak --concurrency 256 --duration 630
+    python -m benchmarks.robustness.soak --duration 60 --allocator glibc --out /tmp/soak_glibc.json
 
 The default runs the server as `linstream serve` does: on jemalloc where libjemalloc is installed.
 """
@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
-from clients.loadtest import level
-from harness.local_server import LocalServer
-from clients.stats import metric
+from benchmarks.common import LocalServer, command, served, write_json
+from linstream.clients.loadtest import level
+from linstream.clients.stats import metric
 
 
 async def probe(c: httpx.AsyncClient, srv: LocalServer, t: float) -> dict:
@@ -50,8 +47,8 @@ async def sample(srv: LocalServer, every: float, out: list, stop: asyncio.Event)
 
 def steady_from(samples: list, duration: float) -> float:
     """When the load reaches its steady operating point: the first sample whose mean decode batch
-    is within 5 % of the median over the second half of the run. 256 streams start together and
-    take ~40 s to spread over the decode steps; until then batches, and with them the per-step
+    is within 5 % of the median over the second half of the run. Many streams that start together
+    take a while to spread over the decode steps; until then batches, and with them the per-step
     buffers, are still growing."""
     batches = sorted(s["mean_batch"] for s in samples if s.get("mean_batch") and duration / 2 <= s["t"] < duration)
     if not batches:
@@ -97,25 +94,21 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--allocator", choices=["auto", "glibc", "jemalloc"], default="auto",
                     help="linstream serve --allocator (glibc = system); auto, its default, takes jemalloc where installed")
-    ap.add_argument("--out", default="benchmarks/results/soak.json")
+    ap.add_argument("--out", default="benchmarks/results/robustness/soak.json")
     a = ap.parse_args()
-    srv = LocalServer(env={"LINSTREAM_ALLOCATOR": "system" if a.allocator == "glibc" else a.allocator},
-                      threads=a.threads)
-    try:
+    with served(env={"LINSTREAM_ALLOCATOR": "system" if a.allocator == "glibc" else a.allocator},
+                threads=a.threads) as srv:
         with open(f"/proc/{srv.proc.pid}/maps") as f:  # what the server really runs on
             used = "jemalloc" if "libjemalloc" in f.read() else "glibc"
         res = asyncio.run(soak(srv, a.concurrency, a.duration, a.max_tokens, a.warmup))
-    finally:
-        srv.stop()
     res["allocator"] = f"{a.allocator} ({used})" if a.allocator == "auto" else a.allocator
-    res["command"] = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
+    res["command"] = command()
     errors = sum(res["load"]["errors"].values())
     print(f"{a.concurrency} streams for {a.duration:.0f} s: {res['load']['tokens_per_s']:.0f} tok/s, {errors} errors, "
           f"warm-up {res['warmup_s']:.0f} s; RSS after it: peak +{100 * res['rss_growth_after_warmup']:.1f} %, drift {100 * res['rss_drift']:+.1f} % "
           f"({res['allocator']}), fds {res['fds_start']} -> {res['fds_end']}, "
           f"sessions left {res['sessions_end']}")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    write_json(a.out, res)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Aggregate tokens/s of two checkouts' servers, taking turns (issue 13): a change's effect on the
-many-client figure of benchmarks/request_path.py, with the machine's drift spread over both
+"""Aggregate tokens/s of two checkouts' servers, taking turns: a change's effect on the
+many-client figure of benchmarks/serving/request_path.py, with the machine's drift spread over both
 (with --requests: the medians of its sequential create / 1-token push / 1-token completion instead;
 with --stream: one stream's median inter-token gap and a 1-token prompt's time to first token).
 Each round runs `--clients` clients (create -> generate 128 sampled tokens -> delete, over and
@@ -7,25 +7,24 @@ over) against one server, then the other (the first alternates), once both serve
 step; prints each round and the medians.
 
     git archive <before> | tar -x -C /tmp/before
-    python benchmarks/aggregate_ab.py --before /tmp/before --rounds 3 --clients 64
-    python benchmarks/aggregate_ab.py --before-args="--gemm inductor" --after-args="--gemm onednn"  # one
-        # checkout, two server options
-    python benchmarks/aggregate_ab.py --before /tmp/before --requests --rounds 6
-    python benchmarks/aggregate_ab.py --before-args="--step-runtime dynamo" --stream --rounds 6
+    python -m benchmarks.serving.aggregate_ab --before /tmp/before --rounds 3 --clients 64
+    python -m benchmarks.serving.aggregate_ab --before-args="--gemm inductor" --after-args="--gemm onednn"
+        # one checkout, two server options
+    python -m benchmarks.serving.aggregate_ab --before /tmp/before --requests --rounds 6
+    python -m benchmarks.serving.aggregate_ab --before-args="--step-runtime dynamo" --stream --rounds 6
+
+Prints only: it compares two servers rather than measuring this checkout, so it writes no result file.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
-import sys
-from pathlib import Path
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.request_path import _warm, cycles, one_stream, requests  # noqa: E402
-from clients.sdk import Client  # noqa: E402
-from harness.local_server import LocalServer, wait_compiled  # noqa: E402
+from benchmarks.common import served
+from benchmarks.serving.request_path import cycles, one_stream, requests
+from linstream.clients.sdk import Client
 
 
 def main(argv=None) -> None:
@@ -45,14 +44,12 @@ def main(argv=None) -> None:
     if a.before is None and a.after is None and a.before_args == a.after_args:
         ap.error("nothing differs: give --before, --after or different --before-args/--after-args")
     servers = {}
-    try:
+    with contextlib.ExitStack() as stack:
         for name, repo, args in (("before", a.before, a.before_args), ("after", a.after, a.after_args)):
-            env = {"PYTHONPATH": repo} if repo else {}
-            servers[name] = LocalServer([a.model], env, "--store", "memory", *args.split(), cwd=repo)
-            with Client(servers[name].url, timeout=120) as c:
-                _warm(c, [a.model], 10)
-                if wait_compiled(servers[name].url).get(a.model) not in ("compiled", None):
-                    raise SystemExit(f"{servers[name].url}: the decode step did not compile")
+            servers[name] = stack.enter_context(served([a.model], "--store", "memory", *args.split(), checkout=repo,
+                                                       warm_s=10, compiled=True))
+            if servers[name].steps.get(a.model) not in ("compiled", None):
+                raise SystemExit(f"{servers[name].url}: the decode step did not compile")
         tps = {name: [] for name in servers}
         if a.requests or a.stream:
             return _requests(a, servers)
@@ -64,9 +61,6 @@ def main(argv=None) -> None:
                       f"  p99 {lv['gap_p99_ms']:.1f} ms", flush=True)
         b, f = statistics.median(tps["before"]), statistics.median(tps["after"])
         print(f"median: before {b:.1f} tok/s, after {f:.1f} tok/s, after / before {f / b:.2f}")
-    finally:
-        for srv in servers.values():
-            srv.stop()
 
 
 def _requests(a, servers: dict) -> None:

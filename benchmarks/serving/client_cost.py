@@ -1,10 +1,10 @@
-"""Is the load generator what holds the aggregate back (issue 13, goal 4)? The client shares this
-machine's two cores with the server, so the many-client figure pays for the client's CPU too.
+"""Is the load generator what holds the aggregate back? On a small machine the client shares the
+cores with the server, so the many-client figure pays for the client's CPU too.
 
 One `linstream serve --threads 1 --store memory` server; `--clients` clients repeating create ->
 generate 128 sampled tokens (SSE) -> delete, taking turns between two load generators:
 
-  sdk      the Python SDK's AsyncClient (httpx + httpx-sse), as `benchmarks/request_path.py` and
+  sdk      the Python SDK's AsyncClient (httpx + httpx-sse), as `benchmarks/serving/request_path.py` and
            `linstream loadtest` drive it
   aiohttp  aiohttp's client (its HTTP parser is C), reading the SSE lines as they come and
            counting `event: token` lines: about the least Python a client can run per token
@@ -12,23 +12,16 @@ generate 128 sampled tokens (SSE) -> delete, taking turns between two load gener
 Each round prints tokens/s, the gap percentiles, and the CPU (cores) of the server's threads
 (from /proc) and of the client (this process). Needs `pip install aiohttp` (the `bench` extra).
 
-    python benchmarks/client_cost.py --model linear --clients 64 --rounds 2 --out benchmarks/results/client_cost.json
+    python -m benchmarks.serving.client_cost --model linear --clients 64 --rounds 2
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import resource
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.request_path import PROMPT, _warm, cycles, ms, pct  # noqa: E402
-from benchmarks.thread_cpu import thread_cpu  # noqa: E402
-from clients.sdk import Client  # noqa: E402
-from harness.local_server import LocalServer, wait_compiled  # noqa: E402
+from benchmarks.common import command, median_ms, own_cpu, pct_ms, served, thread_cpu, write_json
+from benchmarks.serving.request_path import PROMPT, cycles
 
 
 async def aiohttp_cycles(url: str, model: str, conc: int, duration: float, m: int) -> dict:
@@ -61,12 +54,7 @@ async def aiohttp_cycles(url: str, model: str, conc: int, duration: float, m: in
         wall = time.perf_counter() - t0
     g = st["gaps"]
     return {"clients": conc, "wall_s": round(wall, 2), "tokens_per_s": round(st["tokens"] / wall, 1),
-            "cycles": st["cycles"], "gap_p50_ms": ms(g), "gap_p99_ms": round(1000 * pct(g, 0.99), 4)}
-
-
-def own_cpu() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
+            "cycles": st["cycles"], "gap_p50_ms": median_ms(g), "gap_p99_ms": pct_ms(g, 0.99)}
 
 
 def main(argv=None) -> None:
@@ -76,14 +64,10 @@ def main(argv=None) -> None:
     ap.add_argument("--duration", type=float, default=8.0, help="seconds per round and client")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default="benchmarks/results/serving/client_cost.json")
     a = ap.parse_args(argv)
-    srv = LocalServer([a.model], {}, "--store", "memory")
     runs = []
-    try:
-        with Client(srv.url, timeout=600) as c:
-            _warm(c, [a.model], 10)
-            wait_compiled(srv.url)
+    with served([a.model], "--store", "memory", warm_s=10, compiled=True) as srv:
         for rnd in range(a.rounds):
             order = [("sdk", cycles), ("aiohttp", aiohttp_cycles)]
             for name, fn in order if rnd % 2 == 0 else order[::-1]:
@@ -99,11 +83,7 @@ def main(argv=None) -> None:
                 runs.append(row)
                 print(f"round {rnd + 1} {name:8s} {r['tokens_per_s']:8.1f} tok/s  gap p50 {r['gap_p50_ms']} ms  "
                       f"p99 {r['gap_p99_ms']} ms  server cores {server}  client cores {row['client_cores']}", flush=True)
-    finally:
-        srv.stop()
-    if a.out:
-        Path(a.out).write_text(json.dumps({"model": a.model, "clients": a.clients, "command": " ".join(sys.argv),
-                                           "runs": runs}, indent=1) + "\n")
+    write_json(a.out, {"model": a.model, "clients": a.clients, "command": command(), "runs": runs}, indent=1)
 
 
 if __name__ == "__main__":

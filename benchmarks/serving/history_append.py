@@ -5,8 +5,8 @@ shipped `linear` model on a disk store; the 1 M-token session is restored from a
 Also reports what the store holds per session: the record (constant) and the history (4 bytes a
 token), read from the store's files.
 
-    python benchmarks/history_append.py --out benchmarks/results/history_append.json
-    python benchmarks/history_append.py --repo /path/to/other/checkout   # the same, on other server code
+    python -m benchmarks.serving.history_append
+    python -m benchmarks.serving.history_append --repo /path/to/other/checkout --out /tmp/h.json   # other server code
 """
 from __future__ import annotations
 
@@ -20,21 +20,20 @@ from pathlib import Path
 import httpx
 import torch
 
-from clients.stats import pct
-from harness.local_server import LocalServer
-from model import WEIGHTS
-from model.lm import LM
-from model.state import State
+from benchmarks.common import command, pct, served, write_json
+from linstream.model import WEIGHTS
+from linstream.model.lm import LM
+from linstream.model.snapshot import state_from_bytes, state_to_bytes
 
 OCTET = {"Content-Type": "application/octet-stream"}
 
 
 def long_blob(c: httpx.Client, model: LM, sid: str, n: int) -> bytes:
     """A blob with a history of n random tokens: a real state whose position is set to n."""
-    state = State.from_bytes(c.get(f"/v1/sessions/{sid}/state").content, model.init_state(1), model.fingerprint)
+    state = state_from_bytes(c.get(f"/v1/sessions/{sid}/state").content, model.init_state(1), model.fingerprint)
     state.position = torch.tensor([n])
     history = torch.randint(0, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
-    return state.to_bytes(model.fingerprint, {"history": history, "history_start": torch.tensor([0])})
+    return state_to_bytes(state, model.fingerprint, {"history": history, "history_start": torch.tensor([0])})
 
 
 def main():
@@ -43,14 +42,13 @@ def main():
     ap.add_argument("--long", type=int, default=1 << 20, help="tokens of history of the long session")
     ap.add_argument("--n", type=int, default=60, help="one-token pushes on each session (interleaved)")
     ap.add_argument("--repo", default=None, help="run the server from this checkout instead of this one")
-    ap.add_argument("--out", default="benchmarks/results/history_append.json")
+    ap.add_argument("--out", default="benchmarks/results/serving/history_append.json")
     a = ap.parse_args()
     model = LM.load(WEIGHTS / "linear")
-    store = Path(tempfile.mkdtemp())
-    env = {"LINSTREAM_MAX_BODY_BYTES": str(64 << 20), **({"PYTHONPATH": a.repo} if a.repo else {})}
-    srv = LocalServer(["linear"], env, "--store", f"disk:{store}", cwd=a.repo)
-    try:
-        c = httpx.Client(base_url=srv.url, timeout=120)
+    env = {"LINSTREAM_MAX_BODY_BYTES": str(64 << 20)}
+    with tempfile.TemporaryDirectory() as d, served(["linear"], "--store", f"disk:{d}", env=env, checkout=a.repo) as srv, \
+            httpx.Client(base_url=srv.url, timeout=120) as c:
+        store = Path(d)
         short = c.post("/v1/sessions", json={"tokens": [7] * a.short}).json()
         t0 = time.perf_counter()
         r = c.post("/v1/sessions/restore", content=long_blob(c, model, short["id"], a.long), headers=OCTET)
@@ -69,10 +67,9 @@ def main():
         files = {k: {"record_bytes": (store / "sess" / sid).stat().st_size,
                      "history_file_bytes": (store / "hist" / sid).stat().st_size if (store / "hist" / sid).exists() else 0}
                  for k, sid in sids.items()}
-    finally:
-        srv.stop()
-    res = {"model": "linear", "store": "disk", "pushes": a.n, "history_tokens": {"short": a.short, "long": a.long},
-           "restore_long_s": round(restore_s, 2), "repo": a.repo or "this checkout"}
+    res = {"command": command(), "model": "linear", "store": "disk", "pushes": a.n,
+           "history_tokens": {"short": a.short, "long": a.long}, "restore_long_s": round(restore_s, 2),
+           "repo": a.repo or "this checkout"}
     for k in sids:
         res[k] = {"median_ms": round(statistics.median(ms[k]), 3), "p90_ms": round(pct(ms[k], 0.9), 3), **files[k]}
     res["ratio_median"] = round(res["long"]["median_ms"] / res["short"]["median_ms"], 3)
@@ -81,8 +78,7 @@ def main():
     res["bytes_written_per_push"] = {k: res[k]["record_bytes"] + (4 if res[k]["history_file_bytes"] else 0) for k in sids}
     res["goal"] = "ratio_median <= 1.5"
     print(json.dumps(res, indent=2))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    write_json(a.out, res)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Many sessions on one server with the disk store: create N sessions (more than the slots in
 memory), then resume a random sample, and report the server's resident memory and disk use.
 
-    python benchmarks/many_sessions.py --sessions 10000 --out benchmarks/results/many_sessions.json
+    python -m benchmarks.serving.many_sessions --sessions 10000
 """
 from __future__ import annotations
 
@@ -9,15 +9,13 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from harness.local_server import LocalServer
+from benchmarks.common import command, served, write_json
 
 
 async def create_all(url: str, n: int, conc: int) -> list[str]:
@@ -38,12 +36,11 @@ def main():
     ap.add_argument("--sessions", type=int, default=10000)
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--sample", type=int, default=100)
-    ap.add_argument("--out", default="benchmarks/results/many_sessions.json")
+    ap.add_argument("--out", default="benchmarks/results/serving/many_sessions.json")
     a = ap.parse_args()
-    store = Path(tempfile.mkdtemp(prefix="linstream-store-"))
-    srv = LocalServer([], None, "--store", f"disk:{store}", "--max-sessions", str(a.slots))
-    url = srv.url
-    try:
+    with tempfile.TemporaryDirectory(prefix="linstream-store-") as d, \
+            served([], "--store", f"disk:{d}", "--max-sessions", str(a.slots)) as srv:
+        store, url = Path(d), srv.url
         t0 = time.perf_counter()
         ids = asyncio.run(create_all(url, a.sessions, 16))
         created_s = time.perf_counter() - t0
@@ -55,12 +52,9 @@ def main():
         disk = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
         res = {"sessions": len(ids), "slots_in_memory": a.slots, "create_seconds": round(created_s, 1),
                "server_rss_bytes": stats["rss_bytes"], "store_bytes_on_disk": disk,
-               "sample_resumed": f"{ok}/{a.sample}", "command": "python benchmarks/many_sessions.py " + " ".join(sys.argv[1:])}
-    finally:
-        srv.stop()
-        subprocess.run(["rm", "-rf", str(store)])
+               "sample_resumed": f"{ok}/{a.sample}", "command": command()}
     print(json.dumps(res, indent=2))
-    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    write_json(a.out, res)
 
 
 if __name__ == "__main__":

@@ -1,39 +1,41 @@
-"""Stateless chat clients and the prefix state cache (issue 15). A real server, the shipped
-`linear` model, one thread, the `openai` SDK.
+"""Stateless chat clients and the prefix state cache. A real server, the shipped `linear` model,
+one thread, the `openai` SDK.
 
 (a) One chat growing ~195 tokens a turn (a user message of ~170 tokens, 16 tokens answered,
     greedy), the whole history re-sent each turn to /v1/chat/completions: turn latency at turns
     1, 10, 50, 100, 200 with the cache on (every turn played) and off (the same transcripts sent
     cold), beside the session API (push the new message, generate 16). Each measured turn is
-    timed 5 times side by side with a new chat's first turn (and the session API), because this
+    timed 5 times side by side with a new chat's first turn (and the session API), because a
     shared machine's load drifts over minutes: the ratios within those triples are the figures.
     Goal: turn 200 within 1.5x of turn 1 and of the session API.
-    The openai SDK's own work grows with the messages it sends (about 70 ms for 400 messages
-    here), so the same turn is also timed from a plain HTTP client: that is the server's part.
+    The openai SDK's own work grows with the messages it sends, so the same turn is also timed
+    from a plain HTTP client: that is the server's part.
 (b) 64 clients, each its own growing chat through AsyncOpenAI: aggregate completion tokens/s and
     p99 turn latency with the cache on and off, and the hit rate (requests after a chat's first
     turn that started from a cached state; goal >= 95 %).
 
-    python benchmarks/prefix_chat.py             # about 12 minutes on 2 cores
-    python benchmarks/prefix_chat.py --quick     # turns up to 50, 6-turn chats in (b)
+Writes JSON and a plot beside it (OUT with .png).
+
+    python -m benchmarks.serving.prefix_chat             # about 12 minutes on 2 cores
+    python -m benchmarks.serving.prefix_chat --quick     # turns up to 50, 6-turn chats in (b)
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import statistics
+import os
 import time
 from pathlib import Path
 
 import httpx
 from openai import AsyncOpenAI, OpenAI
 
-from harness.local_server import LocalServer
-from model import WEIGHTS
-from model.tokenizer import Tokenizer
+from benchmarks.common import command, median_ms, pct_ms, served, write_json
+from linstream.model import WEIGHTS
+from linstream.model.tokenizer import Tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ANSWER = 16
 REPS = 5  # timed turns per measured turn and kind (medians reported)
 
@@ -141,7 +143,7 @@ async def load(url: str, clients: int, turns: int, msgs: list[list[str]]) -> dic
     later = clients * (turns - 1)  # requests that re-send an earlier turn
     lat.sort()
     return {"wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
-            "p50_turn_ms": round(1000 * lat[len(lat) // 2], 1), "p99_turn_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 1),
+            "p50_turn_ms": median_ms(lat, 1), "p99_turn_ms": pct_ms(lat, 0.99, 1),
             "hits": hits, "misses": misses, "hit_rate_resent_turns": round(hits / later, 4) if later and hits + misses else None}
 
 
@@ -170,32 +172,27 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--clients", type=int, default=64, help="chats at once in (b); 0 skips (b)")
-    ap.add_argument("--out", default="benchmarks/results/prefix_chat.json")
+    ap.add_argument("--out", default="benchmarks/results/serving/prefix_chat.json")
     a = ap.parse_args()
     marks = [1, 10, 50] if a.quick else [1, 10, 50, 100, 200]
     load_turns = 6 if a.quick else 12
     msgs = user_messages(max(marks), 170)
     per_client = [user_messages(load_turns, 170, offset=1 + i) for i in range(a.clients)]
     tok = Tokenizer(WEIGHTS / "linear" / "tokenizer.json")
-    res = {"machine": "2 shared CPU cores, --threads 1", "model": "linear", "answer_tokens": ANSWER, "quick": a.quick}
+    res = {"machine": f"{os.cpu_count()} CPU cores, --threads 1", "command": command(), "model": "linear",
+           "answer_tokens": ANSWER, "quick": a.quick}
     spare = user_messages(2 * len(marks) * REPS, 170, offset=10_000)
-    on = LocalServer(["linear"], None, "--store", "memory")
-    try:
+    with served(["linear"], "--store", "memory") as on:
         on_t, transcripts = chat_and_session(on.url, msgs, marks, spare)
         res["cache_bytes_after_turns"] = metric(on.url, "linstream_prefix_cache_bytes")
         if a.clients:
             res["load_cache_on"] = asyncio.run(load(on.url, a.clients, load_turns, per_client))
         res["cache_bytes_after_load"] = metric(on.url, "linstream_prefix_cache_bytes")
-    finally:
-        on.stop()
-    off = LocalServer(["linear"], None, "--store", "memory", "--prefix-cache-bytes", "0")
-    try:
+    with served(["linear"], "--store", "memory", "--prefix-cache-bytes", "0") as off:
         off_t = cold_turns(off.url, marks, transcripts, spare)
         if a.clients:
             res["load_cache_off"] = asyncio.run(load(off.url, a.clients, load_turns, per_client))
-    finally:
-        off.stop()
-    ms = lambda t, kind: [round(1000 * statistics.median(t[k][kind]), 1) for k in marks]  # noqa: E731
+    ms = lambda t, kind: [median_ms(t[k][kind], 1) for k in marks]  # noqa: E731
     ctx = [len(tok.encode("".join(f"{m['role'].upper()}:\n{m['content']}\n\n" for m in t))) + ANSWER for t in transcripts]
     res["turns"] = {"turn": marks, "context_tokens": ctx,
                     "openai_cache_on_ms": ms(on_t, "chat"), "first_turn_beside_it_ms": ms(on_t, "fresh"),
@@ -205,19 +202,17 @@ def main():
     # ratios of turns timed side by side (the machine's load drifts over minutes)
     res["cache_on_over_first_turn"] = [round(x / y, 2) for x, y in zip(t["openai_cache_on_ms"], t["first_turn_beside_it_ms"])]
     res["cache_on_over_session_api"] = [round(x / y, 2) for x, y in zip(t["openai_cache_on_ms"], t["session_api_ms"])]
-    # the openai SDK's own work grows with the messages it sends (~70 ms for 400 here): the
-    # server's part is what the same request costs from a plain HTTP client
+    # the openai SDK's own work grows with the messages it sends: the server's part is what the
+    # same request costs from a plain HTTP client
     res["cache_on_plain_http_over_first_turn"] = [round(x / y, 2) for x, y in zip(t["openai_cache_on_plain_http_ms"],
                                                                                  t["first_turn_beside_it_ms"])]
     res["cache_on_plain_http_over_session_api"] = [round(x / y, 2) for x, y in zip(t["openai_cache_on_plain_http_ms"],
                                                                                   t["session_api_ms"])]
     res["cache_off_over_first_turn"] = [round(x / y, 2) for x, y in zip(t["openai_cache_off_ms"], t["first_turn_beside_cold_ms"])]
     res["load"] = {"clients": a.clients, "turns_per_chat": load_turns, "temperature": 0.8}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    plot(res, out.with_suffix(".png"))
     print(json.dumps(res, indent=2))
+    out = write_json(a.out, res)
+    plot(res, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

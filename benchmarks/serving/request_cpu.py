@@ -1,4 +1,4 @@
-"""What a short request costs the server (issue 13, goal 5): CPU per request from /proc beside its
+"""What a short request costs the server: CPU per request from /proc beside its
 wall time, for two checkouts' servers taking turns, so that a change to the request path shows
 as a ratio measured in one run.
 
@@ -10,36 +10,19 @@ and of the client's (this process) CPU, per request. Servers are `linstream serv
 with the memory store.
 
     git archive <before> | tar -x -C /tmp/before
-    python benchmarks/request_cpu.py --before /tmp/before --out benchmarks/results/request_cpu.json
+    python -m benchmarks.serving.request_cpu --before /tmp/before
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import resource
+import contextlib
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from clients.sdk import Client  # noqa: E402
-from harness.local_server import LocalServer, wait_compiled  # noqa: E402
+from benchmarks.common import LocalServer, command, own_cpu, process_cpu, served, write_json
+from linstream.clients.sdk import Client
 
-HZ = os.sysconf("SC_CLK_TCK")
 KINDS = ("healthz", "push_1", "completion_1", "openai_completion_1")
-
-
-def process_cpu(pid: int) -> float:
-    """Seconds of CPU the process has used, all threads."""
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / HZ
-
-
-def own_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def send(c: Client, kind: str, sid: str, model: str, i: int) -> None:
@@ -76,14 +59,12 @@ def main(argv=None):
     ap.add_argument("--model", default="linear")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--n", type=int, default=1000, help="requests of each kind per round and server")
-    ap.add_argument("--out", default="benchmarks/results/request_cpu.json")
+    ap.add_argument("--out", default="benchmarks/results/serving/request_cpu.json")
     a = ap.parse_args(argv)
     servers = {}
-    try:
+    with contextlib.ExitStack() as stack:
         for name, repo in (("before", a.before), ("after", a.after)):
-            env = {"PYTHONPATH": repo} if repo else {}
-            servers[name] = LocalServer([a.model], env, "--store", "memory", cwd=repo)
-            wait_compiled(servers[name].url)
+            servers[name] = stack.enter_context(served([a.model], "--store", "memory", checkout=repo, compiled=True))
         rounds = {"before": [], "after": []}
         for r in range(a.rounds):
             for name in (("before", "after") if r % 2 == 0 else ("after", "before")):
@@ -91,9 +72,6 @@ def main(argv=None):
                 print(f"round {r + 1} {name:6s} " + "  ".join(
                     f"{k} {v['wall_ms']:.3f} ms (server cpu {v['server_cpu_ms']:.3f})" for k, v in rounds[name][-1].items()),
                     flush=True)
-    finally:
-        for s in servers.values():
-            s.stop()
     med = {name: {k: {m: round(statistics.median(x[k][m] for x in rs), 4) for m in ("wall_ms", "server_cpu_ms", "client_cpu_ms")}
                   for k in KINDS} for name, rs in rounds.items()}
     for k in KINDS:
@@ -101,10 +79,7 @@ def main(argv=None):
         print(f"{k:20s} wall {b['wall_ms']:.3f} -> {f['wall_ms']:.3f} ms ({f['wall_ms'] / b['wall_ms']:.2f}x)   "
               f"server cpu {b['server_cpu_ms']:.3f} -> {f['server_cpu_ms']:.3f} ms ({f['server_cpu_ms'] / b['server_cpu_ms']:.2f}x)   "
               f"client cpu {b['client_cpu_ms']:.3f} -> {f['client_cpu_ms']:.3f}")
-    res = {"command": " ".join(sys.argv), "model": a.model, "n": a.n, "rounds": rounds, "median": med}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {a.out}")
+    write_json(a.out, {"command": command(), "model": a.model, "n": a.n, "rounds": rounds, "median": med})
 
 
 if __name__ == "__main__":

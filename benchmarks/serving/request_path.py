@@ -1,4 +1,4 @@
-"""The request path, from the model's step to the client's socket (issue 13, goals 3-5).
+"""The request path, from the model's step to the client's socket.
 
 Prints, per model: the in-process decode step (batch 1, one thread, eager and compiled); one
 SSE stream's median inter-token gap and its ratio to the compiled step; the time to first token
@@ -8,9 +8,9 @@ the disk store. Then aggregate tokens/s and the gaps' p50/p99 at 1, 8, 64, 256 c
 repeating create -> generate 128 -> delete. Servers are real `linstream serve --threads 1`
 processes; the client runs in this process (on a small machine it shares the CPUs).
 
-    python benchmarks/request_path.py --out benchmarks/results/request_path.json
+    python -m benchmarks.serving.request_path --duration 8 --reps 4
     git archive <before> | tar -x -C /tmp/before   # the same client against the code before a change:
-    python benchmarks/request_path.py --server-repo /tmp/before --out /tmp/request_path_before.json
+    python -m benchmarks.serving.request_path --server-repo /tmp/before --out /tmp/request_path_before.json
 """
 from __future__ import annotations
 
@@ -20,30 +20,23 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness.local_server import LocalServer  # noqa: E402
-from clients.sdk import AsyncClient, Client, Done  # noqa: E402
-from clients.stats import pct  # noqa: E402
-from model import WEIGHTS
-from model.timing import state_at, time_steps  # noqa: E402
-from model.compiled import Stepper  # noqa: E402
-from server.engine import STEP_PREFILL  # noqa: E402
-from model.hf import load_checkpoint  # noqa: E402
+from benchmarks.common import command, median_ms, pct, pct_ms, served, write_json
+from linstream.clients.sdk import AsyncClient, Client, Done
+from linstream.model import WEIGHTS
+from linstream.model.compiled import Stepper
+from linstream.model.hf import load_checkpoint
+from linstream.model.timing import state_at, time_steps
+from linstream.server.engine.engine import STEP_PREFILL
 
 PROMPT = [11, 12, 13, 14]  # the short prompt of a create
-
-
-def ms(xs) -> float:
-    return round(1000 * statistics.median(xs), 4)
+ms = median_ms
 
 
 def in_process(name: str, steps: int, gemm: str = "own", runtime: str = "aoti") -> dict:
@@ -145,7 +138,7 @@ async def cycles(url: str, model: str, conc: int, duration: float, m: int) -> di
     g = st["gaps"]
     return {"clients": conc, "wall_s": round(wall, 2), "tokens_per_s": round(st["tokens"] / wall, 1),
             "cycles": st["cycles"], "errors": dict(st["errors"]), "first_error": st.get("first_error"),
-            "gap_p50_ms": ms(g) if g else None, "gap_p99_ms": round(1000 * pct(g, 0.99), 4) if g else None,
+            "gap_p50_ms": ms(g), "gap_p99_ms": pct_ms(g, 0.99),
             "p99_over_p50": round(pct(g, 0.99) / statistics.median(g), 2) if g else None}
 
 
@@ -157,25 +150,24 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5, help="streams per single-stream figure (x4 for TTFT, x6 requests)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--compile", default="auto")
-    ap.add_argument("--gemm", default="own", help="the compiled step's matmuls, in-process and served (model/gemm.py)")
+    ap.add_argument("--gemm", default="own", help="the compiled step's matmuls, in-process and served (model/compiled/gemm.py)")
     ap.add_argument("--step-runtime", default="aoti", help="aoti | dynamo: how the compiled step is called, in-process and served")
     ap.add_argument("--server-repo", help="serve from this checkout (e.g. the code before a change); default: this one")
-    ap.add_argument("--out", default="benchmarks/results/request_path.json")
+    ap.add_argument("--out", default="benchmarks/results/serving/request_path.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     res = {"machine": {"cpu": platform.machine(), "cores": os.cpu_count(), "server_threads": 1},
-           "command": " ".join(sys.argv), "server_repo": a.server_repo, "gemm": a.gemm, "step_runtime": a.step_runtime, "models": {}}
+           "command": command(), "server_repo": a.server_repo, "gemm": a.gemm, "step_runtime": a.step_runtime, "models": {}}
     compute = {x: in_process(x, 200, a.gemm, a.step_runtime) for x in a.models}
     for store in ("memory", "disk"):
         with tempfile.TemporaryDirectory() as d:
             spec = "memory" if store == "memory" else f"disk:{d}"
-            env = {"PYTHONPATH": a.server_repo} if a.server_repo else {}
-            srv = LocalServer(a.models, env, "--store", spec, "--compile", a.compile,
-                              *(["--gemm", a.gemm] if a.gemm != "inductor" else []),
-                              *(["--step-runtime", a.step_runtime] if a.step_runtime != "aoti" else []), cwd=a.server_repo)
-            try:
+            warm_s = 3 + 2 * sum(compute[x]["compile_s"] or 0 for x in a.models)  # its cache filled in-process above
+            with served(a.models, "--store", spec, "--compile", a.compile,
+                        *(["--gemm", a.gemm] if a.gemm != "inductor" else []),
+                        *(["--step-runtime", a.step_runtime] if a.step_runtime != "aoti" else []),
+                        checkout=a.server_repo, warm_s=warm_s) as srv:
                 with Client(srv.url, timeout=120) as c:
-                    _warm(c, a.models, 3 + 2 * sum(compute[x]["compile_s"] or 0 for x in a.models))
                     for x in a.models:
                         row = res["models"].setdefault(x, {"in_process": compute[x]})
                         if store == "memory":
@@ -194,27 +186,10 @@ def main(argv=None):
                         lv = asyncio.run(cycles(srv.url, a.models[-1], conc, a.duration, a.tokens))
                         res["aggregate"]["levels"].append(lv)
                         print("aggregate", json.dumps(lv), flush=True)
-            finally:
-                srv.stop()
     for x, row in res["models"].items():
         print(f"{x}: in-process step {row['in_process']['eager_step_ms']} ms eager, "
               f"{row['in_process']['compiled_step_ms']} ms compiled")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {a.out}")
-
-
-def _warm(c: Client, models: list[str], seconds: float):
-    """The compiled step warms in the background after start-up (from its on-disk cache, filled
-    by the in-process run above): wait about as long as it took here, streaming meanwhile."""
-    t_end = time.time() + seconds
-    while time.time() < t_end:
-        for x in models:
-            s = c.create_session(tokens=PROMPT, model=x)
-            for _ in c.generate(s["id"], max_tokens=32, temperature=0):
-                pass
-            c.delete(s["id"])
-        time.sleep(0.5)
+    write_json(a.out, res)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Where one stream's inter-token gap goes (issue 13, goal 3): CPU time per token of a server's
+"""Where one stream's inter-token gap goes: CPU time per token of a server's
 threads (the event loop, the engine) and of the client, from /proc (Linux), beside the median gap.
 
 Runs a real `linstream serve --threads 1` (memory store), streams `--tokens` greedy tokens
@@ -6,46 +6,17 @@ Runs a real `linstream serve --threads 1` (memory store), streams `--tokens` gre
 CPU each thread spent per token. A gap close to the engine thread's CPU per token says the
 engine's iteration sets the pace; the loop and the client share the other core.
 
-    python benchmarks/thread_cpu.py --model linear --out benchmarks/results/thread_cpu.json
+    python -m benchmarks.serving.thread_cpu --model linear
+    python -m benchmarks.serving.thread_cpu --out /tmp/t.json -- --step-runtime dynamo   # more serve options
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import resource
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.request_path import _warm  # noqa: E402
-from clients.sdk import Client  # noqa: E402
-from harness.local_server import LocalServer, wait_compiled  # noqa: E402
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of `pid`, by name ("main" for the main thread,
-    which runs the event loop)."""
-    tick, out = os.sysconf("SC_CLK_TCK"), {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except FileNotFoundError:  # the thread ended meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        key = "main" if tid == str(pid) else f"{name}/{tid}"
-        out[key] = (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def own_cpu() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
+from benchmarks.common import command, own_cpu, served, thread_cpu, write_json
+from linstream.clients.sdk import Client
 
 
 def one_round(c: Client, pid: int, model: str, n: int) -> dict:
@@ -67,25 +38,19 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="linear")
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=None, help="write the rounds as JSON here")
+    ap.add_argument("--out", default="benchmarks/results/serving/thread_cpu.json", help="write the rounds as JSON here")
     ap.add_argument("serve_args", nargs="*", help="more `linstream serve` options (after --)")
     a = ap.parse_args(argv)
-    srv = LocalServer([a.model], {}, "--store", "memory", *a.serve_args)
     rounds = []
-    try:
-        with Client(srv.url, timeout=600) as c:
-            _warm(c, [a.model], 10)
-            wait_compiled(srv.url)
-            for _ in range(a.rounds):
-                r = one_round(c, srv.proc.pid, a.model, a.tokens)
-                rounds.append(r)
-                threads = ", ".join(f"{k} {v}" for k, v in r["server_us_per_token"].items())
-                print(f"gap {r['gap_ms']:.3f} ms | CPU us per token: client {r['client_us_per_token']}, {threads}",
-                      flush=True)
-    finally:
-        srv.stop()
-    if a.out:
-        Path(a.out).write_text(json.dumps({"model": a.model, "tokens": a.tokens, "rounds": rounds}, indent=1) + "\n")
+    with served([a.model], "--store", "memory", *a.serve_args, warm_s=10, compiled=True) as srv, \
+            Client(srv.url, timeout=600) as c:
+        for _ in range(a.rounds):
+            r = one_round(c, srv.proc.pid, a.model, a.tokens)
+            rounds.append(r)
+            threads = ", ".join(f"{k} {v}" for k, v in r["server_us_per_token"].items())
+            print(f"gap {r['gap_ms']:.3f} ms | CPU us per token: client {r['client_us_per_token']}, {threads}",
+                  flush=True)
+    write_json(a.out, {"model": a.model, "tokens": a.tokens, "command": command(), "rounds": rounds}, indent=1)
 
 
 if __name__ == "__main__":

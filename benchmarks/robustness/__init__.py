@@ -1,0 +1,1 @@
+"""A real server under faults, fuzzing, hostile requests and long load."""
