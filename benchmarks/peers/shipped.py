@@ -37,7 +37,7 @@ from linstream.model.timing import state_at, time_steps  # the decode path linst
 from linstream.model.tokenizer import Tokenizer
 
 REFERENCE = {
-    "source": "quoted from issue 13, NOT measured here: llama.cpp built from source at commit 3f545bec, "
+    "source": "quoted, NOT measured by this script: llama.cpp built from source at commit 3f545bec, "
               "`llama-bench` tg128 and the C++ `llama-server`, same random-weight Mamba-1 shape, one quiet 2-core machine",
     "in_process_ms_per_token": 0.47, "sse_gap_ms": 0.56, "tokens_per_s": {"8": 2113, "64": 2101},
 }
