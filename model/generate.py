@@ -6,6 +6,7 @@
     prefill_by_steps(step, tokens, state) -> logits (1, T, V), state     a few tokens, one step each
     sample(logits, params, generators)    -> tokens (B,)                 model/sampling.py
     TextStream(tok, params).feed(token)   -> (text, finish or None)      token ids to text, and when to stop
+    Matcher (model/constrain.py)                                         a grammar's mask per token, when constrained
 `Generation` is the single-session loop built from them (tests, benches); server/engine/engine.py runs
 the same functions over a batch of sessions, so both give the same tokens, text and finish.
 """
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .compiled import Stepper
+from .constrain import GrammarError, Matcher
 from .lm import LM
 from .sampling import SamplingParams, StopMatcher, sample
 from .state import State
@@ -112,22 +114,36 @@ class Event:
 class Generation:
     """Single-session loop: sample from `state.next_logits`, step, repeat; one Event per token,
     its text from a TextStream. `self.state` is the state after the last yielded token (which
-    has been stepped, as the engine steps it); `self.finish_reason` is set once the loop ends."""
+    has been stepped, as the engine steps it); `self.finish_reason` is set once the loop ends.
+    `matcher` (model/constrain.py): the tokens are drawn among those its grammar allows, and the
+    generation stops ("stop") once the grammar is complete."""
 
-    def __init__(self, model: LM, tok: Tokenizer, state: State, params: SamplingParams):
-        self.model, self.tok, self.state, self.params = model, tok, state, params
+    def __init__(self, model: LM, tok: Tokenizer, state: State, params: SamplingParams, matcher: Matcher | None = None):
+        self.model, self.tok, self.state, self.params, self.matcher = model, tok, state, params, matcher
         self.finish_reason = "length"
 
     def __iter__(self) -> Iterator[Event]:
         g = self.params.generator()
         text = TextStream(self.tok, self.params)
         counts: Counter[int] = Counter()  # what the penalties look at
+        m = self.matcher
+        if m is not None and m.ended:  # a grammar the empty text completes
+            self.finish_reason = "stop"
+            return
         for _ in range(self.params.max_tokens):
-            t = sample(self.state.next_logits, [self.params], [g], [counts])  # (1,)
+            masks = None if m is None else [m.banned]
+            t = sample(self.state.next_logits, [self.params], [g], [counts], masks)  # (1,)
             _, self.state = decode_one_token(self.model, t, self.state)
             token = int(t)
             counts[token] += 1
             piece, finish = text.feed(token)
+            if m is not None:
+                if m.take(token):
+                    finish = "stop"
+                elif not finish:
+                    m.refill()
+                if m.error:
+                    raise GrammarError(m.error)
             yield Event(token, piece, int(self.state.position[0]))
             if finish:
                 self.finish_reason = finish

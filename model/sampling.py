@@ -160,15 +160,37 @@ def adjust_logits(logits: Tensor, params: list[SamplingParams], counts: list[Map
 
 
 def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-           counts: list[Mapping[int, int]] | None = None) -> Tensor:
+           counts: list[Mapping[int, int]] | None = None, masks: list[Tensor | None] | None = None) -> Tensor:
     """One token per row. Greedy rows take the argmax; others invert the CDF (in vocabulary order)
     at a uniform drawn from the row's generator. `counts`: per row, how often it generated each
-    token (penalties). -> (B,) int64
+    token (penalties). `masks`: per row, None or the tokens it may not draw, (V,) bool (a grammar's,
+    model/constrain.py); such a row draws from its logits with those set to -inf. -> (B,) int64
 
     The draw is `reference_draw`'s, token for token, whatever the batch; `_fast_draw` finds it
     without a sort for rows without filters."""
     if any(p.adjusts for p in params):
         logits = adjust_logits(logits, params, counts or [{}] * len(params))
+    masked = [i for i, m in enumerate(masks or ()) if m is not None]
+    if masked:
+        logits = banned_to_inf(logits, masked, [masks[i] for i in masked])
+    out = _sample(logits, params, generators)
+    for i in masked:  # a uniform of exactly 0 lands on the row's first token, whatever its weight
+        if masks[i][out[i]]:
+            out[i] = logits[i].argmax()
+    return out
+
+
+def banned_to_inf(logits: Tensor, rows: list[int], banned: list[Tensor]) -> Tensor:
+    """A copy of logits (B, V) with each of `rows` set to -inf where its mask (V,) bool is True;
+    the other rows as they were."""
+    out = logits.to(torch.float32, copy=True)
+    idx = torch.tensor(rows)
+    out[idx] = out[idx].masked_fill(torch.stack(banned).to(out.device), float("-inf"))
+    return out
+
+
+def _sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> Tensor:
+    """`sample`'s draw from logits already adjusted and masked."""
     B, V = logits.shape
     rows = [i for i, p in enumerate(params) if p.temperature != 0]
     if len(rows) < B:

@@ -1,0 +1,167 @@
+"""Constrained decoding: a grammar (a JSON schema, a regular expression, a Lark or GBNF grammar)
+turned into the set of tokens that may come next, one row of a batch at a time, through
+llguidance (`python -m benchmarks.model.grammar_libs` compares it with xgrammar and outlines-core).
+
+    grammars = Grammars(tok, V)            one per tokenizer: llguidance's view of the vocabulary
+    m = grammars.compile(kind, text)       -> Matcher, its first mask computed (can take a while:
+                                              call it off the engine thread)
+    m.banned                               (V,) bool: the tokens the grammar does not allow next
+    m.take(token) -> ended                 consume a sampled token; True once the grammar is complete
+    m.refill()                             the next `banned` (drops the GIL while it works)
+    sample(logits, ..., masks=[m.banned])  model/sampling.py: a masked row draws among allowed tokens
+
+Where the grammar may end: a tokenizer with an end-of-text token (imported checkpoints) has it
+allowed there, and sampling it ends the generation ("stop"). The shipped tokenizers have none, so
+the matcher gets a virtual one, id V, past the model's logits; a generation ends where the grammar
+allows nothing else (a JSON value closed, a fixed-length pattern complete). A grammar that could
+still go on (`[a-z]+`) runs to max_tokens or a stop string on such a model.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Literal
+
+import llguidance as llg
+import numpy as np
+import torch
+
+from .tokenizer import Tokenizer
+
+Kind = Literal["json_schema", "regex", "grammar", "choice"]
+KINDS = ("json_schema", "regex", "grammar", "choice")
+
+# JSON as the OpenAI API prints it: one space after ':' and ',', no other whitespace. Whitespace
+# the grammar allowed anywhere would let a weak model spend its tokens on it.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# per-token work is bounded so that no grammar holds a step up for long: a mask that needs more
+# ends its generation with an error instead (llguidance's defaults are 200,000 and 50,000)
+STEP_LEXER_FUEL = 100_000
+STEP_MAX_ITEMS = 20_000
+CACHED = 64  # compiled grammars kept per tokenizer (a prototype each, copied per generation)
+
+
+class GrammarError(ValueError):
+    """The grammar library refuses the grammar; the message says why."""
+
+
+class Matcher:
+    """One generation's grammar state. Not thread-safe: the engine asks for a mask only after the
+    work it handed off (`refill`) is done."""
+
+    def __init__(self, ll: llg.LLMatcher, vocab: int):
+        self.ll, self.vocab = ll, vocab
+        self.banned: torch.Tensor | None = None  # (V,) bool, once refilled
+        self.ended = ll.is_stopped()
+        self.error: str | None = None
+
+    def copy(self) -> "Matcher":
+        m = Matcher(self.ll.deep_copy(), self.vocab)
+        m.banned, m.ended, m.error = self.banned, self.ended, self.error
+        return m
+
+    def refill(self) -> None:
+        """Compute the tokens banned next (llguidance drops the GIL while it works). A grammar in
+        an error state, or one that allows no token of the model although it may not end, sets
+        `error`."""
+        if self.ended or self.error:
+            return
+        bits = np.frombuffer(self.ll.compute_bitmask(), np.uint8)
+        banned = np.unpackbits(np.invert(bits), bitorder="little")[:self.vocab].view(np.bool_)
+        if self.ll.is_error():
+            self.error = self.ll.get_error()
+        elif banned.all():
+            self.error = "the grammar allows no token of this model here"
+        self.banned = torch.from_numpy(banned)
+
+    def take(self, token: int) -> bool:
+        """Consume a sampled token; -> whether the grammar is complete (nothing else may follow)."""
+        if not self.ll.consume_token(token):
+            self.error = self.ll.get_error() or f"token {token} does not satisfy the grammar"
+            return False
+        self.ended = self.ll.is_stopped()
+        return self.ended
+
+    def allows(self, token: int) -> bool:
+        return self.banned is None or not bool(self.banned[token])
+
+
+class Grammars:
+    """llguidance's view of one tokenizer (built on first use) and the grammars compiled for it."""
+
+    def __init__(self, tok: Tokenizer, vocab_size: int):
+        self.tok, self.vocab = tok, vocab_size
+        self._ll: llg.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], Matcher] = OrderedDict()
+
+    def tokenizer(self) -> llg.LLTokenizer:
+        with self._lock:
+            if self._ll is None:
+                eos = sorted(self.tok.eos_ids) or None  # None: the wrapper's virtual one
+                self._ll = llg.LLTokenizer(llg.TokenizerWrapper(_Vocab(self.tok, self.vocab)), eos_token=eos,
+                                           n_vocab=self.vocab + (0 if eos else 1))
+            return self._ll
+
+    def compile(self, kind: Kind, text: str) -> Matcher:
+        """A fresh Matcher for the grammar, its first mask computed. Raises GrammarError naming
+        what the library refuses. Blocking (up to a few hundred ms for a large schema)."""
+        key = (kind, text)
+        with self._lock:
+            proto = self._cache.get(key)
+            if proto is not None:
+                self._cache.move_to_end(key)
+        if proto is None:
+            limits = llg.LLParserLimits(step_lexer_fuel=STEP_LEXER_FUEL, step_max_items=STEP_MAX_ITEMS,
+                                        verbose_errors=False)
+            ll = llg.LLMatcher(self.tokenizer(), lark(kind, text), log_level=0, limits=limits)
+            if ll.is_error():
+                raise GrammarError(ll.get_error())
+            proto = Matcher(ll, self.vocab)
+            proto.refill()
+            if proto.error:
+                raise GrammarError(proto.error)
+            with self._lock:
+                self._cache[key] = proto
+                while len(self._cache) > CACHED:
+                    self._cache.popitem(last=False)
+        return proto.copy()
+
+
+def lark(kind: Kind, text: str) -> str:
+    """llguidance's grammar for a constraint: a JSON schema (as JSON text), a regular expression,
+    a Lark or GBNF grammar, or a choice (a JSON list of strings)."""
+    try:
+        if kind == "json_schema":
+            return llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+        if kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(text)
+        if kind == "grammar":
+            return llg.grammar_from("grammar", text)  # Lark, or GBNF (converted to Lark)
+        if kind == "choice":
+            return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
+    except ValueError as e:
+        raise GrammarError(str(e)) from None
+    raise GrammarError(f"unknown constraint kind {kind!r}; one of {KINDS}")
+
+
+class _Vocab:
+    """What llguidance's TokenizerWrapper reads of a tokenizer: each id's bytes, the end-of-text
+    id (a virtual one, `vocab`, when the tokenizer has none) and an encoder."""
+
+    def __init__(self, tok: Tokenizer, vocab: int):
+        self.tok = tok
+        self.tokens = list(tok.token_bytes[:vocab]) + [b""] * (vocab - len(tok.token_bytes))
+        if tok.eos_ids:
+            self.eos_token_id = min(tok.eos_ids)
+            self.special_token_ids = sorted(tok.eos_ids)
+        else:
+            self.eos_token_id = vocab
+            self.tokens.append(b"")
+            self.special_token_ids = [vocab]
+        self.bos_token_id = tok.bos_id
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self.tok.encode(text.decode("utf-8", errors="replace"))
