@@ -11,7 +11,7 @@ from fastapi.staticfiles import StaticFiles
 
 from .api.connections import BodyTimeout
 from .api.hot_routes import HotRoutes
-from .api.routes import docs, openai, sessions, system
+from .api.routes import docs, openai, responses, sessions, system
 from .api.schemas import Restore
 from .core import errors
 from .core.errors import BodyTooLarge, body
@@ -69,13 +69,14 @@ async def _reject(send, message: str):
 
 
 ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["type", "message"],
-    "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}}
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 
 
 def _openapi(app: FastAPI) -> dict:
     """FastAPI's schema, with every error documented as what the server really sends:
-    {"error": {"type", "message"}} for any 4XX/5XX (FastAPI's own 422 shape is never used)."""
+    {"error": {"message", "type", "param", "code"}} for any 4XX/5XX (FastAPI's own 422 shape is never used)."""
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
@@ -111,7 +112,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="linstream", version="0.1.0", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None,
                   description="Streaming inference for recurrent language models, with explicit sessions.")
     errors.install(app)
-    for r in (sessions.router, openai.router, system.router, docs.router):
+    for r in (sessions.router, openai.router, responses.router, system.router, docs.router):
         app.include_router(r)
     app.openapi = lambda: _openapi(app)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

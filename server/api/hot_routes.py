@@ -80,7 +80,7 @@ class HotRoutes:
                 chunks.append(msg.get("body", b""))
                 more = msg.get("more_body", False)
         except Exception as e:  # app.BodyLimit's 413
-            return await response_for(e)(scope, receive, send)
+            return await response_for(e, scope["path"])(scope, receive, send)
         data = b"".join(chunks)
         try:
             req = schema.model_validate(orjson.loads(data)) if data else None
@@ -95,7 +95,7 @@ class HotRoutes:
         except Exception as e:
             if not isinstance(e, EXPECTED):  # a bug: logged with its traceback, as uvicorn would
                 log.exception("%s %s", scope["method"], scope["path"])
-            response = response_for(e)
+            response = response_for(e, scope["path"])
         await response(scope, receive, send)
 
 

@@ -83,11 +83,15 @@ class Sampling(Body):
         """How many tokens the request asks for at most, its default filled in."""
         return self.max_tokens
 
-    def new_tokens(self, limit: int) -> int:
-        """`asked_tokens`, refused (413) past the server's `limit` (max_new_tokens)."""
+    def new_tokens(self, limit: int, context: str = "") -> int:
+        """`asked_tokens`, refused past the server's `limit` (max_new_tokens): 413 in the session
+        API, 400 context_length_exceeded on the OpenAI routes (core/errors.py); `context`: the
+        sentence naming the model's maximum context length (engine/prompts.py, context_phrase)."""
         n = self.asked_tokens()
         if n > limit:
-            raise APIError(413, "max_tokens_too_large", f"max_tokens={n} exceeds {limit}")
+            why = f"max_tokens={n} exceeds {limit}"
+            raise APIError(413, "max_tokens_too_large", f"{context}; {why}" if context else why, param="max_tokens",
+                           code="context_length_exceeded")
         return n
 
     def to_params(self, limit: int) -> SamplingParams:

@@ -19,7 +19,7 @@ async def tokens_of(eng: Engine, text: str | None, tokens: list[int] | None, cfg
     if text is not None:
         cap = cfg.max_prompt_bytes
         if len(text) > cap or len(text.encode()) > cap:  # chars <= bytes: the first test is free
-            raise APIError(413, "prompt_too_long", f"the prompt text exceeds max_prompt_bytes={cap} (UTF-8)")
+            raise too_long(f"the prompt text exceeds max_prompt_bytes={cap} (UTF-8)", cfg)
         ids = await encode(eng, text)
     else:
         ids = list(tokens or [])
@@ -37,6 +37,24 @@ async def encode(eng: Engine, text: str) -> list[int]:
     return eng.tok.encode(text) if len(text) <= INLINE_CHARS else await asyncio.to_thread(eng.tok.encode, text)
 
 
+def context_limit(cfg: Settings) -> int:
+    """What one request may carry, prompt and new tokens: a recurrent model has no context window,
+    but this is the figure OpenAI's clients size a conversation by (max_model_len)."""
+    return cfg.max_prompt_tokens + cfg.max_new_tokens
+
+
+def context_phrase(cfg: Settings) -> str:
+    """The words OpenAI and vLLM use, which LangChain and litellm recognise."""
+    return (f"This model's maximum context length is {context_limit(cfg)} tokens: at most {cfg.max_prompt_tokens} "
+            f"in the prompt and {cfg.max_new_tokens} generated")
+
+
+def too_long(why: str, cfg: Settings) -> APIError:
+    """A prompt over the server's limits: 413 in the session API, 400 context_length_exceeded on
+    the OpenAI routes (core/errors.py)."""
+    return APIError(413, "prompt_too_long", f"{context_phrase(cfg)}; {why}", code="context_length_exceeded")
+
+
 def check_length(n: int, cfg: Settings) -> None:
     if n > cfg.max_prompt_tokens:
-        raise APIError(413, "prompt_too_long", f"{n} tokens exceed max_prompt_tokens={cfg.max_prompt_tokens}")
+        raise too_long(f"{n} tokens exceed max_prompt_tokens={cfg.max_prompt_tokens}", cfg)

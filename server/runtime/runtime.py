@@ -134,7 +134,8 @@ class Runtime:
     def engine(self, model: str | None) -> Engine:
         name = model or self.default
         if name not in self.engines:
-            raise APIError(400, "unknown_model", f"model {name!r} is not served; served: {sorted(self.engines)}")
+            raise APIError(404, "unknown_model", f"The model {name!r} does not exist: this server serves {sorted(self.engines)}",
+                           param="model", code="model_not_found")
         return self.engines[name]
 
     async def tokens_of(self, eng: Engine, text: str | None, tokens: list[int] | None) -> list[int]:

@@ -18,8 +18,9 @@ from fastapi import APIRouter, Request
 from linstream.model.footprint import footprint
 
 from ...core.auth import Owner
-from ...core.errors import APIError
+from ...core.errors import APIError, body
 from ...engine.engine import Engine
+from ...engine.prompts import context_limit, context_phrase
 from ...sessions.session import Session
 from ..openai_schemas import MAX_RUNS, Chat, Completion, OpenAISampling, chat_prompt, unsupported
 from ..streaming import DONE_FRAME, Gathered, Stream, data_frame, events, sse_response
@@ -60,7 +61,7 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
     error, a cancellation) until its generation owns it, and then when that ends
     (Runtime.finish_generation)."""
     limit = rt.settings.max_new_tokens
-    req.new_tokens(limit)  # refused before any work
+    req.new_tokens(limit, context_phrase(rt.settings))  # refused before any work
     if req.session_id:
         s = await rt.find(req.session_id, owner)
         if req.model and req.model != s.model:
@@ -243,7 +244,7 @@ def _streamed(rt, req: OpenAISampling, base: dict, choices: Choices, render) -> 
             async with aclosing(choices.events()) as evs:
                 async for k, run, kind, ev in evs:
                     if kind == "done" and "error" in ev:
-                        yield data_frame({"error": ev["error"]})
+                        yield data_frame(body(ev["error"]["type"], ev["error"]["message"]))
                         failed = True
                         break
                     for c in render(k, run, kind, ev, sent.get(k, 0)):
@@ -254,7 +255,7 @@ def _streamed(rt, req: OpenAISampling, base: dict, choices: Choices, render) -> 
                         prompt += ev["usage"]["prompt_tokens"] if k % req.n == 0 else 0
                         completion += ev["usage"]["completion_tokens"]
         except APIError as e:  # a further choice refused
-            yield data_frame({"error": {"type": e.type, "message": e.message}})
+            yield data_frame(body(e.type, e.message, e.param, e.code))
             failed = True
         if req.include_usage and not failed:
             yield data_frame({**base, "choices": [], "usage": _usage(prompt, completion)})
@@ -277,13 +278,15 @@ async def _gathered(choices: Choices) -> dict[int, tuple[Run, dict]]:
 
 
 def _logprobs_obj(tok, entries, offset: int = 0):
-    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset. As OpenAI
+    and vLLM give them, each top_logprobs holds the token itself beside the `logprobs` most likely
+    (up to logprobs + 1 entries)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, lp, top in entries:
         piece = tok.decode([t])
         out["tokens"].append(piece)
         out["token_logprobs"].append(lp)
-        out["top_logprobs"].append(top)
+        out["top_logprobs"].append(top if top is None or piece in top else {**top, piece: lp})
         out["text_offset"].append(offset)
         offset += len(piece)
     return out
@@ -382,6 +385,9 @@ def _chat_logprobs(tok, entries) -> dict:
 @router.post("/chat/completions")
 async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
     unsupported(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "invalid_request_error", "top_logprobs: set logprobs to true to use top_logprobs",
+                       param="top_logprobs", code="invalid_value")
     _runs(req, req.n)
     text = chat_prompt(req.messages)
     lp = (req.top_logprobs or 0) if req.logprobs else None
@@ -422,14 +428,18 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
                       **({"session_id": first.session.id} if not first.temp else {})})
 
 
+# a model's `created`: when this server started serving it (the process's start, near enough)
+STARTED = int(time.time())
+
+
 def model_card(rt, name: str, e: Engine) -> dict:
     """A /v1/models entry. A recurrent model has no context window: max_model_len is what one
     request may carry (prompt + new tokens), the figure vLLM-style clients size prompts by."""
     cfg = rt.settings
-    return {"id": name, "object": "model", "created": 0, "owned_by": "linstream",
+    return {"id": name, "object": "model", "created": STARTED, "owned_by": "linstream",
             "mixers": list(e.model.cfg.layer_mixers), "parameters": e.model.num_params(),
             "fingerprint": e.model.fingerprint, "vocab_size": e.model.cfg.vocab_size,
-            "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens, "max_prompt_tokens": cfg.max_prompt_tokens,
+            "max_model_len": context_limit(cfg), "max_prompt_tokens": cfg.max_prompt_tokens,
             "max_new_tokens": cfg.max_new_tokens, "state_bytes": e.empty.row_nbytes(0), **footprint(e.model),
             "weights": cfg.weights, "decode_step": e.stepper.status,
             "step_kernels": e.stepper.kernels if e.stepper.status == "compiled" else None,
@@ -439,3 +449,9 @@ def model_card(rt, name: str, e: Engine) -> dict:
 @router.get("/models")
 async def models(rt: RT, owner: Owner):
     return {"object": "list", "data": [model_card(rt, name, e) for name, e in rt.engines.items()]}
+
+
+@router.get("/models/{model:path}")
+async def model(model: str, rt: RT, owner: Owner):
+    """One served model's entry (the SDK's models.retrieve); 404 model_not_found for any other."""
+    return model_card(rt, model, rt.engine(model))

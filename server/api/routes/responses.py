@@ -1,0 +1,157 @@
+"""OpenAI's Responses API on sessions: POST /v1/responses (streamed or not), GET and DELETE
+/v1/responses/{id}.
+
+The conversation is rendered as /v1/chat/completions renders its messages (the request's
+instructions first, as a system message); a response that follows a stored one
+(`previous_response_id`) adds only its own input to that response's state
+(server/runtime/responses.py), so its cost does not grow with the conversation. Its usage says so:
+`input_tokens` counts the whole context, `input_tokens_details.cached_tokens` the part the stored
+state already held.
+"""
+from __future__ import annotations
+
+import time
+
+import orjson
+from fastapi import APIRouter
+
+from ...core.auth import Owner
+from ...core.errors import APIError, StoreUnavailable
+from ...engine.prompts import context_phrase
+from ...runtime import responses
+from ...sessions.responses import new_response_id
+from ...sessions.session import new_id
+from ..openai_schemas import chat_prompt
+from ..responses_schemas import CreateResponse, messages, unsupported
+from ..streaming import collect, events, sse_response
+from .deps import RT, json_body
+from .openai import _separator
+
+router = APIRouter(prefix="/v1/responses", tags=["openai"])
+
+
+class Draft:
+    """A response as it is built: the object every event and the stored record carry."""
+
+    def __init__(self, req: CreateResponse, rid: str, model: str):
+        self.req, self.id, self.model = req, rid, model
+        self.item_id = new_id("msg")
+        self.created = int(time.time())
+
+    def message(self, text: str, status: str) -> dict:
+        return {"id": self.item_id, "type": "message", "status": status, "role": "assistant",
+                "content": [part(text)] if status != "in_progress" else []}
+
+    def object(self, status: str, output: list, usage: dict | None = None, done: dict | None = None) -> dict:
+        r = self.req
+        failed = done is not None and "error" in done
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "completed_at": int(time.time()) if status != "in_progress" else None,
+                "error": {"code": "server_error", "message": done["error"]["message"]} if failed else None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
+                "output": output, "parallel_tool_calls": False, "previous_response_id": r.previous_response_id,
+                "reasoning": {"effort": None, "summary": None}, "store": r.store,
+                "temperature": 1.0 if r.temperature is None else r.temperature, "text": {"format": {"type": "text"}},
+                "tool_choice": "none", "tools": [], "top_p": 1.0 if r.top_p is None else r.top_p,
+                "truncation": "disabled", "usage": usage, "metadata": {}}
+
+    def finished(self, done: dict, text: str, cached: int) -> dict:
+        """The whole response once its generation is done."""
+        status = "failed" if "error" in done else "incomplete" if done["finish_reason"] == "length" else "completed"
+        u = done["usage"]
+        usage = {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+                 "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": u["total_tokens"]}
+        return self.object(status, [self.message(text, "completed" if status == "completed" else "incomplete")],
+                           usage, done)
+
+
+def part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def render(msgs):
+    """-> render(tail): the request's messages as the chat template writes them, after the text
+    of a state that ends in `tail` (None: a new conversation)."""
+    text = chat_prompt(msgs)
+    return lambda tail: text if tail is None else _separator(tail) + text
+
+
+@router.post("")
+async def create(req: CreateResponse, rt: RT, owner: Owner):
+    unsupported(req)
+    msgs = messages(req)
+    if not msgs:
+        raise APIError(400, "empty_prompt", "input: send text or message items", param="input")
+    params = req.to_params()
+    if params.max_tokens > rt.settings.max_new_tokens:
+        raise APIError(413, "max_tokens_too_large", f"{context_phrase(rt.settings)}; max_output_tokens="
+                       f"{params.max_tokens} exceeds {rt.settings.max_new_tokens}", param="max_output_tokens",
+                       code="context_length_exceeded")
+    turn = await responses.open_turn(rt, owner, req.model, req.previous_response_id, render(msgs), params, req.store)
+    draft = Draft(req, new_response_id(), turn.session.model)
+    if req.stream:
+        return sse_response(_events(draft, turn, owner), turn.ended, rt.settings)
+    try:
+        done = await collect(turn.stream)
+        if "error" in done:
+            raise APIError(500, done["error"]["type"], done["error"]["message"])
+        out = draft.finished(done, done["text"], turn.cached)
+        await turn.keep(draft.id, owner, out)
+    finally:
+        turn.ended()
+    return json_body(out)
+
+
+def _frame(kind: str, data: dict) -> bytes:
+    """One event of a Responses stream: named by its type, as OpenAI sends them."""
+    return b"event: %s\r\ndata: %s\r\n\r\n" % (kind.encode(), orjson.dumps({"type": kind, **data}))
+
+
+async def _events(draft: Draft, turn: responses.Turn, owner: str):
+    """The documented event sequence, each numbered (`sequence_number`)."""
+    seq = 0
+
+    def event(kind: str, **data) -> bytes:
+        nonlocal seq
+        seq += 1
+        return _frame(kind, {"sequence_number": seq - 1, **data})
+
+    where = {"item_id": draft.item_id, "output_index": 0, "content_index": 0}
+    start = draft.object("in_progress", [])
+    yield event("response.created", response=start)
+    yield event("response.in_progress", response=start)
+    yield event("response.output_item.added", output_index=0, item=draft.message("", "in_progress"))
+    yield event("response.content_part.added", **where, part=part(""))
+    text = []
+    async for kind, ev in events(turn.stream):
+        if kind == "token":
+            text.append(ev["text"])
+            yield event("response.output_text.delta", **where, delta=ev["text"], logprobs=[])
+            continue
+        if "error" in ev:
+            yield event("response.failed", response=draft.finished(ev, "".join(text), turn.cached))
+            return
+        full = "".join(text)
+        out = draft.finished(ev, full, turn.cached)
+        try:
+            await turn.keep(draft.id, owner, out)
+        except StoreUnavailable as e:  # the client is told, and the session let go
+            yield event("error", code="store_unavailable", message=f"the response could not be stored: {e}", param=None)
+            return
+        yield event("response.output_text.done", **where, text=full, logprobs=[])
+        yield event("response.content_part.done", **where, part=part(full))
+        yield event("response.output_item.done", output_index=0, item=out["output"][0])
+        yield event(f"response.{out['status']}", response=out)
+
+
+@router.get("/{rid}")
+async def retrieve(rid: str, rt: RT, owner: Owner):
+    return json_body(await responses.retrieve(rt, rid, owner))
+
+
+@router.delete("/{rid}")
+async def delete(rid: str, rt: RT, owner: Owner):
+    await responses.delete(rt, rid, owner)
+    return json_body({"id": rid, "object": "response.deleted", "deleted": True})

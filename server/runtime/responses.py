@@ -1,0 +1,139 @@
+"""Responses (/v1/responses) on sessions: each response is generated on a session of its own,
+which keeps the state the generation ended in. A response that names it as its
+`previous_response_id` starts from a fork of that session, so it prefills only its own new input
+however long the conversation has grown, and two responses from one parent are two forks.
+
+A response not stored (`store: false`) runs on a temporary session, or a fork deleted once it
+ends; so does a stored one whose client left before it ended (no record names its session).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from linstream.model.sampling import SamplingParams
+
+from ..core.errors import APIError, not_found
+from ..sessions.responses import ResponseRecords
+from ..sessions.session import Session
+from .stream import Stream
+
+FORK_TRIES, FORK_WAIT_S = 100, 0.02  # a parent being forked by another request is busy that briefly
+
+
+def records(rt) -> ResponseRecords:
+    return ResponseRecords(rt.store, rt.settings.session_ttl)
+
+
+@dataclass
+class Turn:
+    """One response being generated: its stream, and what its usage and record need."""
+    stream: Stream
+    cached: int  # context tokens its state held before this request's input (not prefilled again)
+    store: bool
+    rt: object
+    recorded: bool = False
+
+    @property
+    def session(self) -> Session:
+        return self.stream.session
+
+    async def keep(self, rid: str, owner: str, response: dict) -> None:
+        """The generation is done: store the response's record (its session becomes what
+        previous_response_id continues from), or let the session go if it is not to be stored."""
+        if self.store:
+            await records(self.rt).put(rid, owner, self.session.id, response)
+            self.recorded = True
+        else:
+            await self.discard()
+
+    async def discard(self) -> None:
+        """Delete the session once its generation has let it go (a temporary one deletes itself)."""
+        await self.stream.close()
+        s = self.session
+        if not s.ephemeral and self.rt.sessions.get(s.id) is s and not s.busy:
+            await self.rt.delete(s)
+
+    def ended(self) -> None:
+        """The response is over, however it ended: a session that no record names is let go."""
+        self.stream.let_go()
+        if not self.recorded:
+            self.rt.spawn(self.discard())
+
+
+async def open_turn(rt, owner: str, model: str | None, previous: str | None, render: Callable[[str | None], str],
+                    params: SamplingParams, store: bool) -> Turn:
+    """Start generating a response: on a fork of the session of response `previous`, or on a new
+    session. `render(tail)` -> the text this request adds, given the text of the last few tokens
+    of the state it goes on from (None for a new conversation)."""
+    parent, s = None, None
+    if previous:
+        meta = await records(rt).get(previous, owner, "previous_response_id")
+        parent = await _parent(rt, meta["session"], previous, owner)
+        if model and model != parent.model:
+            raise APIError(400, "invalid_request", f"response {previous!r} was made by model {parent.model!r}, "
+                           f"not {model!r}", param="model")
+        eng = rt.engines[parent.model]
+    else:
+        eng = rt.engine(model)
+    rt.admit(eng, owner)  # draining, overloaded or rate-limited: refused before any work
+    ids = await rt.tokens_of(eng, render(eng.tok.decode(parent.tokens[-4:]) if parent else None), None)
+    try:
+        if parent:
+            s = await _fork(rt, parent, previous, owner)
+            cached = s.position
+        elif store:
+            s = await rt.create(eng.name, None, ids, owner)  # prefilled by the create
+            cached = 0
+        else:  # a temporary session, from the longest cached prefix of the input
+            s = await rt.start_from_prefix(eng, owner, ids)
+            cached = s.position
+        async with rt.hold(s, release=False) as s:
+            if parent or not store:
+                await rt.push(s, ids[s.position:] if s.ephemeral else ids)
+            st = rt.generate(s, params)
+    except BaseException:  # refused, failed or cancelled: nothing names the session
+        if s is not None and rt.sessions.get(s.id) is s:
+            await asyncio.shield(rt.spawn(rt.delete(s)))
+        raise
+    return Turn(st, cached, store, rt)
+
+
+async def _parent(rt, sid: str, rid: str, owner: str) -> Session:
+    try:
+        return await rt.find(sid, owner)
+    except APIError as e:
+        if e.status == 404:
+            raise not_found("response", rid, "previous_response_id") from None
+        raise
+
+
+async def _fork(rt, parent: Session, rid: str, owner: str) -> Session:
+    """A fork of the parent's session; a parent busy with another request's fork is waited for."""
+    for _ in range(FORK_TRIES):
+        try:
+            async with rt.use(parent.id, owner) as p:
+                return await rt.fork(p)
+        except APIError as e:
+            if e.type != "session_busy":
+                raise
+        await asyncio.sleep(FORK_WAIT_S)
+    raise APIError(409, "response_busy", f"response {rid!r} is in use by other requests; retry shortly",
+                   headers={"Retry-After": "1"}, param="previous_response_id")
+
+
+async def retrieve(rt, rid: str, owner: str) -> dict:
+    return (await records(rt).get(rid, owner))["response"]
+
+
+async def delete(rt, rid: str, owner: str) -> None:
+    """Delete a stored response and its session (responses forked from it keep theirs)."""
+    recs = records(rt)
+    meta = await recs.get(rid, owner)
+    try:
+        await rt.remove(meta["session"], owner)
+    except APIError as e:
+        if e.status != 404:  # expired or deleted already: the record is all there is
+            raise
+    await recs.forget(rid)
