@@ -44,7 +44,8 @@ def context_limit(cfg: Settings) -> int:
 
 
 def context_phrase(cfg: Settings) -> str:
-    """The words OpenAI and vLLM use, which LangChain and litellm recognise."""
+    """The words OpenAI and vLLM use, which litellm recognises (LangChain looks for "prompt is too
+    long", which `too_long` adds)."""
     return (f"This model's maximum context length is {context_limit(cfg)} tokens: at most {cfg.max_prompt_tokens} "
             f"in the prompt and {cfg.max_new_tokens} generated")
 
@@ -52,7 +53,8 @@ def context_phrase(cfg: Settings) -> str:
 def too_long(why: str, cfg: Settings) -> APIError:
     """A prompt over the server's limits: 413 in the session API, 400 context_length_exceeded on
     the OpenAI routes (core/errors.py)."""
-    return APIError(413, "prompt_too_long", f"{context_phrase(cfg)}; {why}", code="context_length_exceeded")
+    return APIError(413, "prompt_too_long", f"{context_phrase(cfg)}; the prompt is too long: {why}",
+                    code="context_length_exceeded")
 
 
 def check_length(n: int, cfg: Settings) -> None:
