@@ -1,8 +1,10 @@
 """`linstream bench latency`: per-token latency and state bytes vs context length, per model.
 
 Over HTTP: push N random tokens into a fresh session, stream M tokens, and time the gaps
-between token events as the client receives them. In-process: the same checkpoints stepped
-directly (no HTTP), so the server's overhead shows as a ratio. Writes JSON and a PNG.
+between token events as the client receives them, beside the server's own per-token time (the done
+event's `per_token_ms`); a client figure below the server's is flagged, since only a client
+starved of CPU can see one. In-process: the same checkpoints stepped directly (no HTTP), so the
+server's overhead shows as a ratio. Writes JSON and a PNG.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from .sdk import Client
-from .stats import pct
+from .stats import pct, starved
 
 
 def over_http(c: Client, model: str, n: int, m: int, vocab: int) -> dict:
@@ -68,11 +70,11 @@ def hf_mamba(m: int, n: int = 128) -> dict | None:
             "parameters": sum(p.numel() for p in lm.parameters())}
 
 
-def run(url, models, contexts, m, do_in_process, do_hf, threads, out, weights=None):
+def run(url, models, contexts, m, do_in_process, do_hf, threads, out, weights=None, api_key=None):
     from linstream.model import WEIGHTS
     weights = Path(weights) if weights else WEIGHTS
     torch.set_num_threads(threads)
-    c = Client(url, timeout=600)
+    c = Client(url, api_key, timeout=600)
     tqdm.write("waiting for any decode step still compiling (the server serves eagerly meanwhile)")
     c.decode_steps()
     served = {x["id"]: x for x in c.models()}
@@ -88,10 +90,17 @@ def run(url, models, contexts, m, do_in_process, do_hf, threads, out, weights=No
             row["in_process"] = in_process(weights, x, n, m, served[x].get("decode_step") == "compiled")
             row["http_over_in_process"] = row["http"]["ms_median"] / row["in_process"]["ms_median"]
         res["models"].setdefault(x, []).append(row)
-        tqdm.write(f"{x:8s} N={n:6d}: SSE {row['http']['ms_median']:.3f} ms/token (p99 {row['http']['ms_p99']:.3f})"
+        http = row["http"]
+        server = http["server_per_token_ms"]
+        tqdm.write(f"{x:8s} N={n:6d}: SSE {http['ms_median']:.3f} ms/token (p99 {http['ms_p99']:.3f}), "
+                   f"server {'-' if server is None else f'{server:.3f}'} ms/token"
                    + (f", in-process {row['in_process']['ms_median']:.3f} ms ({row['in_process']['step']})"
                       if do_in_process else "")
-                   + f", state {row['http']['state_bytes']:,} B")
+                   + f", state {http['state_bytes']:,} B")
+        warning = starved(http["ms_median"], server)
+        http["client_starved"] = warning is not None
+        if warning:
+            tqdm.write(warning)
     if do_hf:
         res["hf_transformers_mamba"] = hf_mamba(m)
         if res["hf_transformers_mamba"]:

@@ -19,6 +19,7 @@ def root():
 
 
 URL = typer.Option("--url", envvar="LINSTREAM_URL", help="server base URL")
+API_KEY = typer.Option("--api-key", envvar="LINSTREAM_API_KEY", help="the server's API key, if it requires one")
 OUT = "prefix of the .json and .png written (default: a new folder NAME-YYYYmmdd-HHMMSS here)"
 bench = typer.Typer(no_args_is_help=True, help="Benchmarks against a running server.")
 app.add_typer(bench, name="bench")
@@ -32,10 +33,11 @@ def _run_dir(name: str) -> str:
 
 @app.command()
 def generate(prompt: str, url: Annotated[str, URL] = "http://127.0.0.1:8000",
+             api_key: Annotated[Optional[str], API_KEY] = None,
              model: Optional[str] = None, max_tokens: int = 200, temperature: float = 0.8, top_p: float = 0.95,
              seed: Optional[int] = None):
     """Stream a continuation of PROMPT to the terminal as it arrives."""
-    with Client(url) as c:
+    with Client(url, api_key) as c:
         try:
             s = c.create_session(prompt=prompt, model=model)
             stream = c.generate(s["id"], max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
@@ -53,15 +55,17 @@ def generate(prompt: str, url: Annotated[str, URL] = "http://127.0.0.1:8000",
 
 
 CHAT_HELP = ("commands: /save [FILE] (state blob), /load FILE, /history, /help, /quit (deletes the session); "
-             "anything else is sent; Ctrl-C leaves and keeps the session")
+             "any other line is sent (start it with // to send a line that starts with /); "
+             "Ctrl-C leaves and keeps the session")
 
 
 @app.command()
-def chat(url: Annotated[str, URL] = "http://127.0.0.1:8000", model: Optional[str] = None,
+def chat(url: Annotated[str, URL] = "http://127.0.0.1:8000", api_key: Annotated[Optional[str], API_KEY] = None,
+         model: Optional[str] = None,
          session: Annotated[Optional[str], typer.Option(help="continue this session (Ctrl-C printed its id)")] = None,
          max_tokens: int = 120, temperature: float = 0.8, top_p: float = 0.95):
     """Interactive loop on one session. Each line is pushed, then the model answers."""
-    c = Client(url)
+    c = Client(url, api_key)
     sid = c.get_session(session)["id"] if session else c.create_session(model=model)["id"]
     typer.echo(f"session {sid}; {CHAT_HELP}")
     session = [sid]  # the current one: /load replaces it
@@ -98,7 +102,11 @@ def _chat_loop(c: Client, session: list[str], max_tokens: int, temperature: floa
                 typer.echo(f"loaded {arg}: session {sid} at position {new['position']}")
             elif cmd == "/history":
                 typer.echo(c.history(sid)["text"])
+            elif cmd.startswith("/") and not cmd.startswith("//"):  # a mistyped command is never sent as text
+                typer.echo(f"unknown command {cmd}; {CHAT_HELP}")
             else:
+                if line.startswith("//"):
+                    line = line[1:]
                 c.push(sid, text=line + "\n")
                 for ev in c.generate(sid, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=["\n\n"]):
                     sys.stdout.write(ev.text)
@@ -109,7 +117,7 @@ def _chat_loop(c: Client, session: list[str], max_tokens: int, temperature: floa
 
 
 @bench.command("latency")
-def bench_latency(url: Annotated[str, URL] = "http://127.0.0.1:8000",
+def bench_latency(url: Annotated[str, URL] = "http://127.0.0.1:8000", api_key: Annotated[Optional[str], API_KEY] = None,
                   models: Annotated[Optional[str], typer.Option(
                       help="comma-separated served models (default: every model the server serves)")] = None,
                   contexts: Annotated[str, typer.Option(help="comma-separated context lengths")] = "128,1024,4096,16384,32768",
@@ -121,13 +129,13 @@ def bench_latency(url: Annotated[str, URL] = "http://127.0.0.1:8000",
                   out: Annotated[Optional[str], typer.Option(help=OUT)] = None):
     """Per-token latency over SSE vs context length, per model, against the KV-cache baseline."""
     from .bench_latency import run
-    names = models.split(",") if models else [m["id"] for m in Client(url).models()]
+    names = models.split(",") if models else [m["id"] for m in Client(url, api_key).models()]
     run(url, names, [int(x) for x in contexts.split(",")], tokens, in_process, hf, threads, out or _run_dir("latency"),
-        weights)
+        weights, api_key)
 
 
 @app.command()
-def loadtest(url: Annotated[str, URL] = "http://127.0.0.1:8000",
+def loadtest(url: Annotated[str, URL] = "http://127.0.0.1:8000", api_key: Annotated[Optional[str], API_KEY] = None,
              concurrency: Annotated[str, typer.Option(help="comma-separated levels")] = "1,8,64,256",
              duration: Annotated[float, typer.Option(help="seconds per level")] = 20.0,
              max_tokens: int = 64,
@@ -136,4 +144,5 @@ def loadtest(url: Annotated[str, URL] = "http://127.0.0.1:8000",
              out: Annotated[Optional[str], typer.Option(help=OUT)] = None):
     """C concurrent streaming sessions per level for a fixed duration; stops by itself."""
     from .loadtest import run
-    run(url, [int(x) for x in concurrency.split(",")], duration, max_tokens, model, prompt, out or _run_dir("loadtest"))
+    run(url, [int(x) for x in concurrency.split(",")], duration, max_tokens, model, prompt, out or _run_dir("loadtest"),
+        api_key)
