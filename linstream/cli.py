@@ -68,6 +68,15 @@ def serve(
     prefix_cache_shared: Annotated[Optional[bool], typer.Option(
         "--prefix-cache-shared/--prefix-cache-per-key",
         help="share cached prefix states across API keys (single tenant) [default per key]")] = None,
+    replica_name: Annotated[Optional[str], typer.Option(
+        help="this replica's name in the X-Linstream-Replica header and in 409 session_owned_elsewhere "
+             "(default hostname:port; env LINSTREAM_REPLICA_NAME)")] = None,
+    drain_notice: Annotated[Optional[float], typer.Option(
+        help=f"on SIGTERM, seconds /health answers 503 before the server stops listening, so that a proxy moves "
+             f"traffic away first {_default('drain_notice_s')}")] = None,
+    replicas: Annotated[Optional[int], typer.Option(
+        min=1, help="start this many replica processes on the next ports and HAProxy in front of them on --port, "
+                    "sharing --store (a Redis; default: a redis-server started here) (docs/scaling.md)")] = None,
     log_level: Annotated[str, typer.Option(
         help="uvicorn's log level: critical | error | warning | info | debug")] = "info",
     allocator: Annotated[str, typer.Option(
@@ -86,6 +95,16 @@ def serve(
         raise typer.BadParameter("use own, inductor or onednn", param_hint="--gemm")
     if step_runtime not in (None, "aoti", "dynamo"):
         raise typer.BadParameter("use aoti or dynamo", param_hint="--step-runtime")
+    given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
+             "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl,
+             "max_connections": max_connections, "names": name, "device": device, "dtype": dtype, "weights": weights,
+             "compile": compile, "gemm": gemm, "step_runtime": step_runtime,
+             "prefix_cache_bytes": prefix_cache_bytes, "prefix_cache_shared": prefix_cache_shared,
+             "replica_name": replica_name, "drain_notice_s": drain_notice}
+    given = {k: v for k, v in given.items() if v is not None and v != []}
+    if replicas is not None:
+        from linstream.cluster import serve_cluster
+        raise SystemExit(serve_cluster(replicas, given, log_level, allocator))
     import logging
 
     import uvicorn
@@ -97,12 +116,7 @@ def serve(
     from linstream.server.api.connections import fd_headroom, protocol
     from linstream.server.app import create_app
     from linstream.server.core.settings import Settings
-    given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
-             "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl,
-             "max_connections": max_connections, "names": name, "device": device, "dtype": dtype, "weights": weights,
-             "compile": compile, "gemm": gemm, "step_runtime": step_runtime,
-             "prefix_cache_bytes": prefix_cache_bytes, "prefix_cache_shared": prefix_cache_shared}
-    settings = Settings(**{k: v for k, v in given.items() if v is not None and v != []})
+    settings = Settings(**given)
     app = create_app(settings)
 
     class Server(uvicorn.Server):
@@ -113,9 +127,17 @@ def serve(
 
         def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: streams run on, then end cleanly
             rt = getattr(app.state, "runtime", None)
+            if rt is not None and settings.drain_notice_s and not rt.leaving and rt.loop is not None:
+                rt.leaving = True  # /health says so first; everything else is served as before for the notice
+                rt.loop.call_soon_threadsafe(rt.loop.call_later, settings.drain_notice_s, self.noticed, sig)
+                return
             if rt is not None:
                 rt.begin_drain()
             super().handle_exit(sig, frame)
+
+        def noticed(self, sig):  # the drain notice is over: stop as on a signal, unless a second one did already
+            if not self.should_exit:
+                self.handle_exit(sig, None)
 
     conns = fd_headroom(settings.max_connections)
     Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,

@@ -57,6 +57,24 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
+class ReplicaHeader:
+    """ASGI middleware: every response names the replica that made it (X-Linstream-Replica), so
+    that a client or a proxy can see where a session is served (docs/scaling.md)."""
+
+    def __init__(self, app, name: str):
+        self.app, self.header = app, (b"x-linstream-replica", name.encode("latin-1", "replace"))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def named(msg):
+            if msg["type"] == "http.response.start":
+                msg["headers"] = [*msg.get("headers", ()), self.header]
+            await send(msg)
+        await self.app(scope, receive, named)
+
+
 async def _reject(send, message: str):
     """413 before the body is read. The unread body would otherwise be parsed as the connection's
     next request (431 or garbage for a keep-alive client), so the connection closes after it."""
@@ -120,5 +138,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(HotRoutes)  # innermost: inside the body's limits
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, json_limit=settings.max_json_bytes)
     app.add_middleware(BodyTimeout, timeout=settings.body_timeout)
-    app.add_middleware(CountRequests)  # outermost: the body limits' answers are counted too
+    app.add_middleware(CountRequests)  # the body limits' answers are counted too
+    app.add_middleware(ReplicaHeader, name=settings.replica_name)  # outermost: on every answer
     return app

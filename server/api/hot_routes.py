@@ -32,7 +32,8 @@ PREFIX = "/v1/sessions"
 
 # a path -> (its body's schema, its route as called here: (runtime, owner, body, session id,
 # request) -> a coroutine); VERBS: the same for /v1/sessions/{id}/<verb>
-PATHS = {PREFIX: (CreateSession, lambda rt, owner, req, sid, request: sessions.create(req, rt, owner)),
+PATHS = {PREFIX: (CreateSession, lambda rt, owner, req, sid, request:
+                  sessions.create(req, rt, owner, request.headers.get("x-session-affinity"))),
          "/v1/completions": (Completion, lambda rt, owner, req, sid, request: openai.completions(req, rt, owner, request)),
          "/v1/chat/completions": (Chat, lambda rt, owner, req, sid, request: openai.chat(req, rt, owner, request))}
 VERBS = {"push": (Push, lambda rt, owner, req, sid, request: sessions.push(sid, owner, req, rt)),

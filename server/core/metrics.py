@@ -46,6 +46,14 @@ class Metrics:
                                         ["model"], registry=r)
         self.prefix_bytes = Gauge("linstream_prefix_cache_bytes", "Bytes of prefix states held", registry=r)
         self.prefix_entries = Gauge("linstream_prefix_cache_entries", "Prefix states held", registry=r)
+        self.prefix_tier_hits = Counter("linstream_prefix_tier_hits", "Requests started from a prefix state read from Redis",
+                                        ["model"], registry=r)
+        self.prefix_tier_written = Counter("linstream_prefix_tier_written_bytes", "Bytes of prefix states written to Redis",
+                                           registry=r)
+        self.handovers = Counter("linstream_session_handovers", "Sessions taken from the store because another replica "
+                                 "served them last (or this one restarted)", ["model"], registry=r)
+        self.lease_takeovers = Counter("linstream_lease_takeovers", "Session leases taken from a replica found dead",
+                                       registry=r)
 
 
 class CountRequests:

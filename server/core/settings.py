@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -89,6 +90,25 @@ class Settings(BaseSettings):
     # disk store: changes are refused (503) while fewer bytes than this are free on its file system
     store_min_free: int = 4 << 20
     replica_lease: float = 10.0  # with a Redis store: seconds a replica's hold on a session outlives it
+    # with a Redis store: this replica's name, sent as the X-Linstream-Replica header and in 409
+    # session_owned_elsewhere (default hostname:port), and the URL the other replicas reach it at,
+    # to tell a dead lease holder from a live one (default http://host:port, the hostname where
+    # host is a wildcard address); see sessions/leases.py
+    replica_name: str = ""
+    replica_url: str = ""
+    # seconds a replica stays registered as alive in Redis without renewing (a heartbeat thread
+    # renews it four times as often): a holder whose registration lapsed is dead to the others
+    replica_alive_s: float = Field(3.0, gt=0)
+    # on SIGTERM: seconds /health answers 503 while every request is still served, so that a proxy
+    # or an orchestrator moves traffic away before the listener closes (0 = close at once)
+    drain_notice_s: float = Field(0.0, ge=0)
+    # with a Redis store: prefix-cache entries are also written to Redis (sessions/prefix_tier.py),
+    # so that a conversation's next turn starts from its prefix on any replica; a byte budget over
+    # all of them (oldest written first out; 0 = off), each expiring prefix_tier_ttl seconds after
+    # its last use; prefix_tier_url: another Redis for them (default: the store's)
+    prefix_tier_bytes: int = Field(1 << 30, ge=0)
+    prefix_tier_ttl: float = Field(600.0, gt=0)
+    prefix_tier_url: str = ""
     session_ttl: float = 0.0  # seconds idle before a session expires (0 = never)
     snapshot_ttl: float = 0.0  # seconds a snapshot is kept (0 = until deleted with the store)
     api_keys: list[str] = Field(default_factory=list)  # when set, every route but /healthz needs one
@@ -108,6 +128,11 @@ class Settings(BaseSettings):
             raise ValueError("--gemm onednn needs device cpu, dtype float32 and float32 weights")
         if len(self.names) > len(self.models):
             raise ValueError(f"{len(self.names)} names for {len(self.models)} models")
+        if not self.replica_name:
+            self.replica_name = f"{socket.gethostname()}:{self.port}"
+        if not self.replica_url:
+            host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+            self.replica_url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
         if not self.max_prompt_bytes:
             self.max_prompt_bytes = 16 * self.max_prompt_tokens
         if not self.max_json_bytes:

@@ -40,6 +40,7 @@ from ..engine.loading import load_engines
 from ..engine.prompts import tokens_of
 from ..sessions.leases import Leases
 from ..sessions.prefix_reuse import PrefixReuse
+from ..sessions.prefix_tier import PrefixTier, longest
 from ..sessions.records import Records
 from ..sessions.residency import Residency
 from ..sessions.session import Session, SessionDamaged
@@ -57,7 +58,8 @@ class Runtime:
         self.metrics = Metrics()
         self.store = open_store(settings.store, settings.store_min_free)
         self.keys = Keys(load_keys(settings.api_keys, settings.api_key_file))
-        self.leases = Leases(settings.store, settings.replica_lease) if settings.store.startswith(("redis", "unix")) else None
+        self.leases = Leases(settings.store, settings.replica_lease, settings.replica_name, settings.replica_url,
+                             settings.replica_alive_s, self.metrics) if settings.store.startswith(("redis", "unix")) else None
         self.engines: dict[str, Engine] = load_engines(settings, self.metrics)
         self.default = next(iter(self.engines))
         self.records = Records(self.store, self.engines, settings, self.metrics, self.leases)
@@ -67,11 +69,18 @@ class Runtime:
         self.admission = Admission(settings)
         self.reuse = PrefixReuse(settings, self.metrics, self.held)
         self.prefixes = self.reuse.prefixes
+        tier_url = settings.prefix_tier_url or (settings.store if self.leases else "")
+        if tier_url and settings.prefix_tier_bytes and settings.prefix_cache_bytes:
+            self.prefixes.tier = PrefixTier(tier_url, settings.prefix_tier_bytes, settings.prefix_tier_ttl, self.engines,
+                                            self.metrics)
         self.tasks = background.Tasks()
         self.loops: list[asyncio.Task] = []
         self.open: set[Stream] = set()  # generations whose session is not yet released
         self.loop: asyncio.AbstractEventLoop | None = None
         self.drain_timer: asyncio.TimerHandle | None = None  # ends the generations still running (begin_drain)
+        # SIGTERM with a drain notice (settings.drain_notice_s): /health answers 503 from now on, so that
+        # proxies stop sending requests before the listener closes and begin_drain runs
+        self.leaving = False
 
     def start(self):
         self.loop = asyncio.get_running_loop()
@@ -81,6 +90,7 @@ class Runtime:
         if self.settings.session_ttl:
             todo.append(background.sweep(self.held, self.records, self.metrics, self.settings.session_ttl))
         if self.leases:
+            self.leases.start()
             todo.append(background.renew_leases(self.held, self.leases))
         self.loops = [self.spawn(c) for c in todo]
 
@@ -126,6 +136,8 @@ class Runtime:
         await self.store.close()
         if self.leases:
             await self.leases.close()
+        if self.prefixes.tier is not None:
+            await self.prefixes.tier.close()
 
     def spawn(self, coro) -> asyncio.Task:
         return self.tasks.spawn(coro)
@@ -188,13 +200,13 @@ class Runtime:
 
     # ---- session operations --------------------------------------------------------------
     async def create(self, model: str | None, text: str | None, tokens: list[int] | None, owner: str = "",
-                     ephemeral: bool = False) -> Session:
+                     ephemeral: bool = False, affinity: str | None = None) -> Session:
         eng = self.engine(model)
         ids = await self.tokens_of(eng, text, tokens)
         if not ephemeral:
             await self.store.ping()
-        n, state = self.prefixes.lookup(eng.name, self.reuse.scope(owner), ids)
-        s = await self.held.new(eng, owner, state, ids[:n], ephemeral=ephemeral)
+        n, state = await longest(self.prefixes, eng.name, self.reuse.scope(owner), ids)
+        s = await self.held.new(eng, owner, state, ids[:n], ephemeral=ephemeral, affinity=affinity)
         await self.held.created(s, lambda: self.push(s, ids[n:]))
         return s
 
@@ -255,6 +267,8 @@ class Runtime:
             await self.held.persist(s, job.state)
             if s.id in self.reuse.turns and job.finish != "error":
                 await self.reuse.cache_turn(s, st.eng, job)
+                if self.prefixes.tier is not None:  # in Redis before the answer ends: the next turn may go elsewhere
+                    await self.prefixes.tier.written()
         finally:
             self.open.discard(st)
             s.last_used_at = time.time()
@@ -268,12 +282,12 @@ class Runtime:
     async def snapshot(self, s: Session):
         return await self.copies.take(s)
 
-    async def restore_snapshot(self, snapshot_id: str, owner: str) -> Session:
+    async def restore_snapshot(self, snapshot_id: str, owner: str, affinity: str | None = None) -> Session:
         meta, blob = await self.records.snapshot(snapshot_id, owner)
-        return await self.restore(blob, meta["model"], owner)
+        return await self.restore(blob, meta["model"], owner, affinity)
 
-    async def restore(self, blob: bytes, model: str | None = None, owner: str = "") -> Session:
-        return await self.copies.restore(blob, self.engine(model) if model else None, owner)
+    async def restore(self, blob: bytes, model: str | None = None, owner: str = "", affinity: str | None = None) -> Session:
+        return await self.copies.restore(blob, self.engine(model) if model else None, owner, affinity)
 
     async def fork(self, s: Session) -> Session:
         return await self.copies.fork(s)

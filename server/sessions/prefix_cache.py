@@ -18,8 +18,8 @@ cache up to the position and are counted at that size, so a long context takes a
 the byte budget and is the first to go.
 
 Memory: one byte budget over all models, least recently used entries evicted first. Entries
-live in this process only (each replica has its own; a miss costs time, never a wrong answer);
-nothing spills to the store.
+live in this process (each replica has its own; a miss costs time, never a wrong answer); with a
+Redis store each one kept is also written to a tier all replicas share (prefix_tier.py).
 
 Tokenizing a re-sent transcript is O(context) too: the state kept for a chat turn as its client
 re-sends it also keeps the text it stands for and that text's ids, so the next request tokenizes
@@ -63,6 +63,7 @@ class PrefixCache:
         self.text_lengths: dict[tuple[str, str], Counter[int]] = {}  # UTF-8 lengths of the texts held
         self.nbytes = 0
         self.hits = self.misses = self.saved = self.evictions = 0
+        self.tier = None  # a PrefixTier (prefix_tier.py): every entry kept is written there too
 
     @staticmethod
     def _keys(model: str, scope: str, ids: list[int], lengths) -> list[tuple[int, bytes]]:
@@ -101,10 +102,12 @@ class PrefixCache:
             self.metrics.prefix_misses.labels(model).inc()
         return 0, None
 
-    def insert(self, model: str, scope: str, ids: list[int], state: State, text: bytes | None = None) -> bool:
+    def insert(self, model: str, scope: str, ids: list[int], state: State, text: bytes | None = None,
+               publish: bool = True) -> bool:
         """Keep `state`, which has consumed exactly `ids` (the cache owns it from now on), and
         with `text` (UTF-8, ending in whitespace) the fact that ids are its tokens when a letter
-        follows. False when it was not kept: the cache is off, or it alone is over the budget."""
+        follows. False when it was not kept: the cache is off, or it alone is over the budget.
+        publish=False: not written to the tier (it came from there)."""
         if not self.budget or not ids:
             return False
         (_, key), = self._keys(model, scope, ids, [len(ids)])
@@ -127,6 +130,8 @@ class PrefixCache:
         while self.nbytes > self.budget:
             self._evict()
         self._gauges()
+        if self.tier is not None and publish:
+            self.tier.put(model, scope, len(ids), key, state)
         return True
 
     def _evict(self) -> None:

@@ -14,6 +14,7 @@ from ..engine.engine import Engine
 from ..engine.jobs import Job
 from ..engine.prompts import check_length, encode, tokens_of
 from .prefix_cache import NEXT_MESSAGE, PrefixCache, Turn, as_resent, splits_between
+from .prefix_tier import longest
 from .residency import Residency
 from .session import Session
 
@@ -50,7 +51,7 @@ class PrefixReuse:
         (`follow`: the text put right after it, the chat separator; with the prompt's `text`,
         that transcript's text is kept too, for `prompt_tokens`)."""
         scope = self.scope(owner)
-        n, state = self.prefixes.lookup(eng.name, scope, ids) if reuse else (0, None)
+        n, state = await longest(self.prefixes, eng.name, scope, ids) if reuse else (0, None)
         s = await self.held.new(eng, owner, state, ids[:n], ephemeral=True)
         s.busy = False
         if self.prefixes.budget:

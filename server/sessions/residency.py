@@ -22,13 +22,14 @@ from linstream.model.state import State
 from ..core.errors import APIError, not_found
 from ..core.metrics import Metrics
 from ..engine.engine import Engine
-from .leases import Leases
+from .leases import Leases, replica_of
 from .records import Records
-from .session import Session, SessionDamaged, new_id
+from .session import Session, SessionDamaged, new_session_id
 from .store import StoreError, StoreUnavailable
 
 log = logging.getLogger("linstream")
 INLINE_ENCODE = 1 << 20  # bytes: a state up to this size is checked and serialised on the event loop
+HELD_BY = "X-Linstream-Held-By"  # on 409 session_owned_elsewhere: the replica that holds the session
 
 
 class Residency:
@@ -62,6 +63,9 @@ class Residency:
         return s
 
     async def _load(self, sid: str) -> Session | None:
+        # the version first: the record read after it is at least as new, so the copy is not
+        # found stale at once (`_refresh_if_stale` would read the record again)
+        version = await self.leases.version(sid) if self.leases else 0
         got = await self.records.read(sid)
         if got is None:
             return None
@@ -69,9 +73,11 @@ class Residency:
         s = self.sessions.get(sid)  # another request may have loaded it meanwhile
         if s is None:
             s = Session(sid, meta["model"], None, meta["owner"], created_at=meta["created_at"],
-                        last_used_at=meta["last_used_at"], state_bytes=got.state.row_nbytes())
+                        last_used_at=meta["last_used_at"], state_bytes=got.state.row_nbytes(), version=version)
             s.adopt_history(got.start, got.tokens, got.stored)
             self.sessions[sid] = s
+            if self.leases:  # made or last served by another replica (or before a restart)
+                self.metrics.handovers.labels(s.model).inc()
         return s
 
     @asynccontextmanager
@@ -113,8 +119,8 @@ class Residency:
         holder = await self.leases.acquire(s.id)
         if holder is not None:
             raise APIError(409, "session_owned_elsewhere",
-                           f"session {s.id!r} is being served by replica {holder!r}; retry shortly",
-                           headers={"Retry-After": "1"})
+                           f"session {s.id!r} is being served by replica {replica_of(holder)!r}; retry shortly",
+                           headers={"Retry-After": "1", HELD_BY: replica_of(holder)})
         await self._refresh_if_stale(s)
 
     async def _refresh_if_stale(self, s: Session) -> None:
@@ -122,6 +128,7 @@ class Residency:
         (the state follows in _make_resident)."""
         if s.ephemeral or await self.leases.version(s.id) == s.version:
             return
+        self.metrics.handovers.labels(s.model).inc()
         if s.slot is not None:
             eng, slot = self.engines[s.model], s.slot
             s.slot = None
@@ -182,9 +189,10 @@ class Residency:
             return await eng.call(swap)
 
     async def new(self, eng: Engine, owner: str, state: State | None = None, tokens=(), start: int = 0,
-                  ephemeral: bool = False) -> Session:
-        """A session, busy, in a slot of its own (from `state`, else empty)."""
-        s = Session(new_id("sess"), eng.name, None, owner, list(tokens), start, busy=True, ephemeral=ephemeral)
+                  ephemeral: bool = False, affinity: str | None = None) -> Session:
+        """A session, busy, in a slot of its own (from `state`, else empty); `affinity`: the
+        routing key its id starts with (session.new_session_id)."""
+        s = Session(new_session_id(affinity), eng.name, None, owner, list(tokens), start, busy=True, ephemeral=ephemeral)
         s.slot = await self._alloc(eng, state)
         self.sessions[s.id] = s
         return s

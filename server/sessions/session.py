@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import secrets
 import struct
 import time
@@ -29,8 +30,24 @@ TOKEN = np.dtype("<i4")  # one history token in the store
 INLINE_TAIL = 256  # history tokens a record may carry after its stored part (at most a few KB of JSON)
 
 
+AFFINITY = re.compile(r"[A-Za-z0-9_-]{12}")  # a routing key (docs/scaling.md)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_urlsafe(16)}"  # 128 random bits
+
+
+def new_session_id(affinity: str | None = None) -> str:
+    """`sess_`, a routing key of 12 URL-safe characters, 128 random bits. A proxy in front of
+    replicas hashes on the key (deploy/haproxy): a create names it (X-Session-Affinity, which the
+    proxy sets where the client did not) so that the session's later requests reach the replica
+    that made it; a fork inherits its parent's. Random where none is given."""
+    key = affinity if affinity is not None and AFFINITY.fullmatch(affinity) else secrets.token_urlsafe(9)
+    return f"sess_{key}{secrets.token_urlsafe(16)}"
+
+
+def affinity_of(sid: str) -> str:
+    return sid[5:17]
 
 
 @dataclass

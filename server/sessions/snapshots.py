@@ -11,7 +11,7 @@ from linstream.model.snapshot import SnapshotModelMismatch, SnapshotOutOfRange, 
 from ..engine.engine import Engine
 from .records import Records
 from .residency import Residency
-from .session import Session, Snapshot, new_id
+from .session import Session, Snapshot, affinity_of, new_id
 
 
 class Snapshots:
@@ -31,7 +31,7 @@ class Snapshots:
         await self.records.put_snapshot(snap, blob)
         return snap, len(blob)
 
-    async def restore(self, blob: bytes, eng: Engine | None, owner: str = "") -> Session:
+    async def restore(self, blob: bytes, eng: Engine | None, owner: str = "", affinity: str | None = None) -> Session:
         """A new session from a blob, on `eng` or else on the served model the blob names."""
         eng = eng or self._engine_for_blob(blob)
         state, start, tokens = await asyncio.to_thread(session_from_bytes, blob, eng.empty, eng.model.fingerprint,
@@ -41,7 +41,7 @@ class Snapshots:
             raise SnapshotOutOfRange(f"one step from this state already turns {bad} to NaN or Inf: its values are "
                                      "too large to continue from")
         await self.records.store.ping()
-        s = await self.held.new(eng, owner, state, tokens, start)
+        s = await self.held.new(eng, owner, state, tokens, start, affinity=affinity)
         await self.held.created(s, lambda: self.held.persist(s))
         return s
 
@@ -56,6 +56,7 @@ class Snapshots:
     async def fork(self, s: Session) -> Session:
         eng = self.engines[s.model]
         state = await eng.call(lambda: eng.read(s.slot))
-        child = await self.held.new(eng, s.owner, state, s.tokens, s.history_start)
+        # the parent's routing key: a proxy sends the child's requests where it was made
+        child = await self.held.new(eng, s.owner, state, s.tokens, s.history_start, affinity=affinity_of(s.id))
         await self.held.created(child, lambda: self.held.persist(child))
         return child

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 
-from fastapi import APIRouter, Request, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Request, Response
 from pydantic import ValidationError
 
 from ...core.auth import Owner
@@ -13,11 +15,14 @@ from ..streaming import collect, sse, sse_response
 from .deps import RT, json_body
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+# the routing key a new session's id starts with, when it is 12 URL-safe characters (a proxy in
+# front of replicas sets it: docs/scaling.md); any other value is ignored
+Affinity = Annotated[str | None, Header(alias="X-Session-Affinity", description="12 URL-safe characters the new id starts with")]
 
 
 @router.post("", status_code=201)
-async def create(req: CreateSession, rt: RT, owner: Owner):
-    s = await rt.create(req.model, req.prompt, req.tokens, owner)
+async def create(req: CreateSession, rt: RT, owner: Owner, affinity: Affinity = None):
+    s = await rt.create(req.model, req.prompt, req.tokens, owner, affinity=affinity)
     return json_body(rt.describe(s), 201)
 
 
@@ -34,7 +39,7 @@ SSE = {200: {"description": "SSE stream (stream=true) or one JSON body",
 
 
 @router.post("/restore", status_code=201, openapi_extra=RESTORE_BODY)
-async def restore(request: Request, rt: RT, owner: Owner):
+async def restore(request: Request, rt: RT, owner: Owner, affinity: Affinity = None):
     """Body: JSON {"snapshot_id"} or the raw state blob (application/octet-stream)."""
     ctype = request.headers.get("content-type", "")
     if ctype.startswith("application/json"):
@@ -45,9 +50,9 @@ async def restore(request: Request, rt: RT, owner: Owner):
             raise APIError(status, content["error"]["type"], content["error"]["message"]) from None
         except ValueError as e:  # not JSON, or not UTF-8
             raise APIError(422, "invalid_request", f"body: {e}") from None
-        s = await rt.restore_snapshot(req.snapshot_id, owner)
+        s = await rt.restore_snapshot(req.snapshot_id, owner, affinity)
     elif ctype.startswith("application/octet-stream"):
-        s = await rt.restore(await request.body(), request.query_params.get("model"), owner)
+        s = await rt.restore(await request.body(), request.query_params.get("model"), owner, affinity)
     else:
         raise APIError(415, "unsupported_media_type",
                        "send application/json {\"snapshot_id\"} or an application/octet-stream state blob")

@@ -1,20 +1,33 @@
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ...core.auth import Owner
+from ...sessions.leases import INSTANCE
 from ..openai_schemas import Detokenize, Tokenize
 from .deps import RT
 
 router = APIRouter(tags=["system"])
 
 
-@router.get("/healthz")
 @router.get("/health")
-async def healthz():
-    """Open to anyone, so it says only that the server is up: what it serves and holds is for
-    key holders (/v1/models, /metrics)."""
-    return {"status": "ok"}
+async def health(rt: RT):
+    """Readiness. Open to anyone, so it says only that the server is up: what it serves and holds
+    is for key holders (/v1/models, /metrics). 503 once the server is shutting down (SIGTERM), so
+    that a proxy's health check or an orchestrator's readiness probe takes it out of rotation
+    before it stops listening. With replicas, the header X-Linstream-Instance names this process,
+    for the others' check of a lease holder (sessions/leases.py)."""
+    headers = {INSTANCE: rt.leases.me} if rt.leases else None
+    if rt.leaving or rt.admission.draining:
+        return JSONResponse({"status": "draining"}, 503, headers=headers)
+    return JSONResponse({"status": "ok"}, headers=headers)
+
+
+@router.get("/healthz")
+async def healthz(rt: RT):
+    """Liveness: 200 for as long as the process serves, draining included (an orchestrator that
+    restarts a replica whose liveness fails must not cut its drain short)."""
+    return JSONResponse({"status": "ok"}, headers={INSTANCE: rt.leases.me} if rt.leases else None)
 
 
 @router.get("/metrics")
