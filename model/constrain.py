@@ -15,6 +15,9 @@ allowed there, and sampling it ends the generation ("stop"). The shipped tokeniz
 the matcher gets a virtual one, id V, past the model's logits; a generation ends where the grammar
 allows nothing else (a JSON value closed, a fixed-length pattern complete). A grammar that could
 still go on (`[a-z]+`) runs to max_tokens or a stop string on such a model.
+
+A JSON schema's objects that list their properties take no others unless the schema says so
+(`closed`); JSON is written with one space after ':' and ',' and no other whitespace.
 """
 from __future__ import annotations
 
@@ -72,8 +75,11 @@ class Matcher:
         banned = np.unpackbits(np.invert(bits), bitorder="little")[:self.vocab].view(np.bool_)
         if self.ll.is_error():
             self.error = self.ll.get_error()
-        elif banned.all():
-            self.error = "the grammar allows no token of this model here"
+        elif banned.all():  # only the end may come: complete, or stuck
+            if self.ll.is_accepting():
+                self.ended = True
+            else:
+                self.error = "the grammar allows no token of this model here"
         self.banned = torch.from_numpy(banned)
 
     def take(self, token: int) -> bool:
@@ -135,16 +141,46 @@ def lark(kind: Kind, text: str) -> str:
     a Lark or GBNF grammar, or a choice (a JSON list of strings)."""
     try:
         if kind == "json_schema":
-            return llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+            return llg.LLMatcher.grammar_from_json_schema(json.dumps(closed(json.loads(text))), overrides=JSON_OPTIONS)
         if kind == "regex":
             return llg.LLMatcher.grammar_from_regex(text)
         if kind == "grammar":
             return llg.grammar_from("grammar", text)  # Lark, or GBNF (converted to Lark)
         if kind == "choice":
             return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
-    except ValueError as e:
-        raise GrammarError(str(e)) from None
+    except (ValueError, RecursionError) as e:  # not JSON, or nested past Python's recursion limit
+        raise GrammarError(f"{type(e).__name__}: {e}") from None
     raise GrammarError(f"unknown constraint kind {kind!r}; one of {KINDS}")
+
+
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "propertyNames", "contains",
+              "not", "if", "then", "else")
+
+
+def closed(schema):
+    """The schema with every object that lists `properties` and says nothing of others taking no
+    others (`additionalProperties: false`), as OpenAI's strict mode requires it written and
+    xgrammar's strict mode (vLLM's default) assumes it: what such an object may hold beyond its
+    properties is otherwise any JSON at all, which a small model then writes until max_tokens.
+    Every output still validates against the schema as given."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {n: closed(s) for n, s in v.items()}
+        elif k in SCHEMA_LISTS or k in SCHEMA_ONE:
+            out[k] = closed(v)
+        else:
+            out[k] = v
+    if isinstance(schema.get("properties"), dict) and not {"additionalProperties", "patternProperties",
+                                                          "unevaluatedProperties"} & schema.keys():
+        out["additionalProperties"] = False
+    return out
 
 
 class _Vocab:

@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI-compatible routes, bounded like every body (schemas.py): a value
 out of range is a 422 naming the field. Fields OpenAI defines that this server cannot honour
-(tools, a JSON response format, suffix) are parsed so that `unsupported` can refuse them with a
-400 naming them, rather than ignored into a silent 200."""
+(legacy functions, suffix) are parsed so that `unsupported` can refuse them with a 400 naming
+them, rather than ignored into a silent 200. What response_format, the guided_* fields and tools
+ask for is read by api/structured.py."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
@@ -12,7 +14,8 @@ from pydantic import ConfigDict, Field
 from linstream.model.sampling import SamplingParams
 
 from ..core.errors import APIError
-from .schemas import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, Body, Name, Prompt, Sampling, Tokens
+from .schemas import (DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, Body, Guided, Name, Prompt,
+                      Sampling, Tokens)
 
 MAX_N = 16  # choices per prompt (n, best_of)
 MAX_PROMPTS = 128  # prompts in one completions request
@@ -20,7 +23,7 @@ MAX_RUNS = 256  # generations in one request: prompts x best_of (or n)
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_MESSAGES = 1024  # per chat request; their text together is bounded by max_prompt_bytes
 MAX_PARTS = 256  # content parts per chat message
-MAX_TOOLS = 128  # listed only to be refused, but bounded all the same
+MAX_TOOLS = 128  # tools of a request, tool calls of a message
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI's
 SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so choice i's seed differs from every other choice's
 
@@ -36,12 +39,21 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Body):
+    model_config = ConfigDict(extra="ignore")
+    name: Name = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema the output validates against")
+    strict: bool | None = Field(None, description="the output always follows the schema, strict or not")
+
+
 class ResponseFormat(Body):
     model_config = ConfigDict(extra="ignore")
-    type: Name = "text"
+    type: Name = Field("text", description="text | json_object | json_schema")
+    json_schema: JsonSchemaFormat | None = None
 
 
-class OpenAISampling(Sampling):
+class OpenAISampling(Sampling, Guided):
     """What both routes take besides their prompt."""
     model_config = ConfigDict(extra="ignore")
     model: Name | None = None
@@ -96,6 +108,8 @@ class Message(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Prompt | Parts | None = None
     name: Name | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS, description="an assistant's calls")
+    tool_call_id: Name | None = Field(None, description="a tool message: the call it answers")
 
 
 class Chat(OpenAISampling):
@@ -109,6 +123,7 @@ class Chat(OpenAISampling):
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     functions: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Name | dict[str, Any] | None = None
+    parallel_tool_calls: bool = Field(True, description="with tool_choice required: several calls may come back")
 
     def asked_tokens(self) -> int:
         return next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None), DEFAULT_MAX_TOKENS)
@@ -117,20 +132,21 @@ class Chat(OpenAISampling):
 def unsupported(req: OpenAISampling) -> None:
     """400 naming the first field asking for what this server cannot do."""
     why = None
-    if req.response_format is not None and req.response_format.type != "text":
-        why = f"response_format: type {req.response_format.type!r} is not supported; only 'text'"
-    elif isinstance(req, Completion) and req.suffix:
+    if isinstance(req, Completion) and req.suffix:
         why = "suffix: insertion (text after the completion) is not supported"
-    elif isinstance(req, Chat) and (req.tools or req.functions):
-        why = f"{'tools' if req.tools else 'functions'}: this server does not call tools or functions"
-    elif isinstance(req, Chat) and req.tool_choice not in (None, "none", "auto"):
-        why = "tool_choice: this server does not call tools"
+    elif isinstance(req, Chat) and req.functions:
+        why = "functions: the legacy function-calling fields are not supported; send tools"
     if why:
         raise APIError(400, "unsupported_field", why)
 
 
 def message_text(m: Message, i: int) -> str:
-    """A message's content as text: a string, or its text parts joined (other parts refused)."""
+    """A message's content as text: a string, or its text parts joined (other parts refused); an
+    assistant's tool calls follow as the JSON they were generated as (api/structured.py)."""
+    if m.tool_calls:
+        calls = [_call(c) for c in m.tool_calls]
+        text = message_text(m.model_copy(update={"tool_calls": None}), i)
+        return (text + "\n" if text else "") + json.dumps(calls, ensure_ascii=False)
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
     for p in m.content:
@@ -138,6 +154,17 @@ def message_text(m: Message, i: int) -> str:
             raise APIError(400, "unsupported_content", f"messages[{i}].content: part type {p.type!r} is not "
                            "supported; only 'text'")
     return "".join(p.text or "" for p in m.content)
+
+
+def _call(c: dict) -> dict:
+    """An assistant message's tool call as the model writes one: {"name", "parameters"}."""
+    f = c.get("function") if isinstance(c.get("function"), dict) else {}
+    args = f.get("arguments")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        pass
+    return {"name": f.get("name"), "parameters": args}
 
 
 def chat_prompt(messages: list[Message]) -> str:

@@ -99,7 +99,23 @@ class Sampling(Body):
         return SamplingParams(self.new_tokens(limit), self.temperature, self.top_k, self.top_p, self.seed, stop)
 
 
-class Generate(Sampling):
+MAX_GRAMMAR_CHARS = 1 << 20  # the static bound on a guided_* text; the server's grammar_max_bytes is the working one
+MAX_CHOICES = 256  # strings of guided_choice
+Grammar = Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]
+
+
+class Guided(Body):
+    """Constrained decoding, the fields named as vLLM names them (docs/api.md): at most one per
+    request. The output follows it token by token (model/constrain.py)."""
+    guided_json: dict[str, Any] | Grammar | None = Field(
+        None, description="a JSON schema (an object, or its JSON text) the output validates against")
+    guided_regex: Grammar | None = Field(None, description="a regular expression the whole output matches")
+    guided_grammar: Grammar | None = Field(None, description="a Lark or GBNF grammar the output follows")
+    guided_choice: Annotated[list[Stop], Field(min_length=1, max_length=MAX_CHOICES)] | None = Field(
+        None, description="the output is exactly one of these strings")
+
+
+class Generate(Sampling, Guided):
     model_config = ConfigDict(extra="forbid")
     stream: bool = True
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

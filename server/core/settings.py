@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     # prompt text per request, checked before tokenizing; 0 = 16 bytes per max_prompt_tokens
     max_prompt_bytes: int = 0
     max_new_tokens: int = 4096  # per generate request
+    # constrained decoding (server/runtime/constraints.py): a schema's or grammar's text is at most
+    # grammar_max_bytes, and compiled within grammar_timeout_s seconds, else the request gets a 400
+    grammar_max_bytes: int = Field(1 << 16, ge=1)
+    grammar_timeout_s: float = Field(5.0, gt=0)
     max_body_bytes: int = 16 << 20  # state blobs (application/octet-stream)
     # JSON bodies, parsed whole on the event loop; 0 = room for a prompt of max_prompt_bytes with
     # every byte escaped to 3 (any text but control characters written \u00XX) or for

@@ -37,6 +37,14 @@ so the next step overlaps the send), but only one such token at a time, and it k
 point for it: if the stream is cut before that token left, the row is restored. The state then
 covers exactly the tokens the client was sent.
 
+A constrained job (`Job.matcher`, model/constrain.py) draws its tokens among those its grammar
+allows: its row's logits are masked in `_sample`, the matcher takes the sampled token in `_emit`,
+and the mask for its next token is computed on a worker thread while the next step runs (the
+grammar library lets go of the GIL), waited for only when that row is sampled again. Rows without
+a matcher do none of this; each row's token depends on its own logits, mask and generator only, so
+a constrained row draws the same tokens alone or in any batch. The job ends ("stop") once the
+grammar is complete.
+
 A fault harms only the job that causes it: a step that raises is rolled back (every row of a
 step has a rollback copy) and retried in halves until the job that fails alone is found; a row
 whose logits are not finite, or a job the sampler fails on, ends alone. Such a job ends with
@@ -49,12 +57,14 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
 
 from linstream.model.compiled import Stepper
+from linstream.model.constrain import Grammars, Matcher
 from linstream.model.generate import TextStream, decode_one_token, prefill_by_steps, prefill_chunk
 from linstream.model.lm import LM
 from linstream.model.sampling import finite_rows, sample
@@ -92,6 +102,10 @@ class Engine:
         self.step_s: float | None = None  # EMA: seconds of a decode iteration that stepped
         self.token_s: float | None = None  # EMA: seconds per token of the slices sized to the budget
         self.sampler = sample  # replaceable, for fault-injection tests
+        self.grammars = Grammars(tok, model.cfg.vocab_size)  # compiled off this thread (runtime/constraints.py)
+        self.overlap_masks = True  # compute constrained rows' next masks while the step runs
+        self._masker: ThreadPoolExecutor | None = None  # made on the first constrained job
+        self._masking: Future | None = None  # the masks in the making
         self.rollback = Rollback(self.pool)
         # the pool's rows fit the compiled step as they are (checked once here, not per step);
         # its tensors are never replaced but for a KV cache's growth, so a run of rows' views
@@ -117,6 +131,8 @@ class Engine:
             self.stopped = True
             self.cv.notify()
         self.thread.join(timeout=10)
+        if self._masker is not None:
+            self._masker.shutdown(wait=False)
 
     def wake(self):
         """Tell the engine thread that something it waits for may have changed (a token handed
@@ -315,7 +331,10 @@ class Engine:
                     j.pending = None  # never reached the client: not part of the session
                     self._finish(j)
             elif j.pending is None:  # a new job: its first token comes from the logits already held
-                if j.params.max_tokens == 0:
+                if j.matcher is not None and j.matcher.ended:  # a grammar the empty text completes
+                    j.finish = "stop"
+                    self._finish(j)
+                elif j.params.max_tokens == 0:
                     self._finish(j)
                 else:
                     first.append(j)
@@ -451,16 +470,22 @@ class Engine:
         """Sample a token for each job from its row of logits and post its event.
         checked: the rows are known to be finite (the step that made them checked them)."""
         finite = [True] * len(jobs) if checked else finite_rows(logits)
+        constrained = any(j.matcher is not None for j in jobs)
+        if constrained:
+            self._masks_ready()
+            finite = [ok and (j.matcher is None or self._grammar_ok(j)) for j, ok in zip(jobs, finite)]
         if not all(finite):  # a new job's held logits (restored or prefilled) can be bad too
             for j, ok in zip(jobs, finite):
-                if not ok:
+                if not ok and j.finish != "error":
                     self._fail(j, "the model's output is non-finite (NaN or infinity) for this session")
             idx = [i for i, ok in enumerate(finite) if ok]
             jobs, logits = [jobs[i] for i in idx], logits[idx]
-        tokens = self._sample(jobs, logits)
+        tokens = self._sample(jobs, logits, constrained)
         now, sent = time.perf_counter(), 0
         for i, j in enumerate(jobs):
             if tokens[i] is None:
+                continue
+            if j.matcher is not None and not self._grammar_takes(j, tokens[i]):
                 continue
             try:
                 ev = self._event(j, tokens[i], logits[i:i + 1])
@@ -478,13 +503,51 @@ class Engine:
             sent += 1
         if sent and self._series:
             self._series.tokens.inc(sent)  # once per step, not per token
+        if constrained:
+            self._next_masks([j.matcher for j in jobs if j.matcher is not None and j.finish is None])
 
-    def _sample(self, jobs: list[Job], logits: torch.Tensor) -> list[int | None]:
+    # ---- constrained rows (model/constrain.py) -------------------------------------------
+    def _next_masks(self, matchers: list[Matcher]) -> None:
+        """Start computing these matchers' next masks: on the mask thread, beside the next step
+        (the grammar library lets go of the GIL), or here and now without `overlap_masks`."""
+        if not matchers:
+            return
+        if not self.overlap_masks:
+            return _refill(matchers)
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix=f"masks-{self.name}")
+        self._masking = self._masker.submit(_refill, matchers)
+
+    def _masks_ready(self) -> None:
+        """Wait for the masks in the making (a job's mask is read only after this)."""
+        if self._masking is not None:
+            fut, self._masking = self._masking, None
+            fut.result()
+
+    def _grammar_ok(self, j: Job) -> bool:
+        """May j be sampled? Not if its grammar failed to give a mask (the job is ended)."""
+        if j.matcher.error is None:
+            return True
+        self._fail(j, f"constrained decoding failed: {j.matcher.error}")
+        return False
+
+    def _grammar_takes(self, j: Job, token: int) -> bool:
+        """j's grammar takes its sampled token; the job ends "stop" once the grammar is complete
+        (`_event`). False (the job ended with an error) if the grammar refuses it."""
+        if j.matcher.take(token) or j.matcher.error is None:
+            return True
+        self._fail(j, f"constrained decoding failed: {j.matcher.error}")
+        return False
+
+    def _sample(self, jobs: list[Job], logits: torch.Tensor, constrained: bool = False) -> list[int | None]:
         """A token per row; None for a job whose sampling failed (that job is ended). After a
         failure the rows are sampled one by one: `sample` draws from the generators only after
-        everything that can fail, so the others draw exactly what they would have in the batch."""
+        everything that can fail, so the others draw exactly what they would have in the batch.
+        `constrained`: some job has a matcher, whose mask its row is sampled under."""
+        masks = {"masks": [j.matcher and j.matcher.banned for j in jobs]} if constrained else {}
         try:
-            return self.sampler(logits, [j.params for j in jobs], [j.gen for j in jobs], [j.counts for j in jobs]).tolist()
+            return self.sampler(logits, [j.params for j in jobs], [j.gen for j in jobs], [j.counts for j in jobs],
+                                **masks).tolist()
         except Exception as e:
             if len(jobs) == 1:
                 self._fail(jobs[0], f"sampling failed: {type(e).__name__}: {e}")
@@ -492,7 +555,8 @@ class Engine:
         out = []
         for i, j in enumerate(jobs):
             try:
-                out.append(int(self.sampler(logits[i:i + 1], [j.params], [j.gen], [j.counts])[0]))
+                one = {"masks": [j.matcher.banned]} if j.matcher is not None else {}
+                out.append(int(self.sampler(logits[i:i + 1], [j.params], [j.gen], [j.counts], **one)[0]))
             except Exception as e:
                 self._fail(j, f"sampling failed: {type(e).__name__}: {e}")
                 out.append(None)
@@ -504,6 +568,8 @@ class Engine:
         if stream is None:
             stream = self.texts[id(j)] = TextStream(self.tok, j.params)
         text, finish = stream.feed(t)
+        if j.matcher is not None and j.matcher.ended:  # the grammar is complete: nothing may follow
+            finish = "stop"
         if finish:
             j.finish = finish
         ev = {"token": t, "text": text}
@@ -556,3 +622,12 @@ class Engine:
             j.on_finish(j)
         self._post(j.loop, j.finished.set)
         self._post(j.loop, j.events.put_nowait, ("done", None))
+
+
+def _refill(matchers: list[Matcher]) -> None:
+    """Each matcher's next mask; a failure ends only its own job (Engine._grammar_ok)."""
+    for m in matchers:
+        try:
+            m.refill()
+        except Exception as e:
+            m.error = f"{type(e).__name__}: {e}"

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from linstream.model.constrain import Matcher
 from linstream.model.sampling import SamplingParams
 from linstream.model.state import State
 from linstream.model.tokenizer import Tokenizer
@@ -26,6 +27,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     logprobs: int | None = None  # top-n alternatives per token (OpenAI `logprobs`)
     on_finish: Callable[["Job"], None] | None = None  # runs on the engine thread when the state is final
+    matcher: Matcher | None = None  # a grammar the tokens must follow (model/constrain.py)
     state: State | None = None  # the row once final, if on_finish read it (for persisting)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # set once the state is final

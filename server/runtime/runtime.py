@@ -27,6 +27,7 @@ import asyncio
 import logging
 import time
 
+from linstream.model.constrain import Matcher
 from linstream.model.sampling import SamplingParams
 
 from ..core.auth import Keys, load_keys
@@ -47,6 +48,7 @@ from ..sessions.session import Session, SessionDamaged
 from ..sessions.snapshots import Snapshots
 from ..sessions.store import StoreUnavailable, open_store
 from . import background
+from .constraints import Compiler, Constraint
 from .stream import Stream
 
 log = logging.getLogger("linstream")
@@ -74,6 +76,7 @@ class Runtime:
             self.prefixes.tier = PrefixTier(tier_url, settings.prefix_tier_bytes, settings.prefix_tier_ttl, self.engines,
                                             self.metrics)
         self.tasks = background.Tasks()
+        self.grammars = Compiler(settings.grammar_max_bytes, settings.grammar_timeout_s)
         self.loops: list[asyncio.Task] = []
         self.open: set[Stream] = set()  # generations whose session is not yet released
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -133,6 +136,7 @@ class Runtime:
         await asyncio.gather(*tasks, return_exceptions=True)
         for e in self.engines.values():
             e.stop()
+        self.grammars.close()
         await self.store.close()
         if self.leases:
             await self.leases.close()
@@ -231,9 +235,16 @@ class Runtime:
                                    "in this server's memory and is written to the store when it is back") from None
         return ms, job
 
-    def generate(self, s: Session, params: SamplingParams, logprobs: int | None = None) -> Stream:
+    async def constrain(self, eng: Engine, c: Constraint | None) -> Matcher | None:
+        """The matcher of a request's constraint for `eng`, compiled off the event loop and the
+        engine thread within the settings' bounds (runtime/constraints.py); None for none."""
+        return None if c is None else await self.grammars.compile(eng, c)
+
+    def generate(self, s: Session, params: SamplingParams, logprobs: int | None = None,
+                 matcher: Matcher | None = None) -> Stream:
         """Submit a generation. The session stays busy until `finish_generation` has persisted
-        the state over exactly the tokens the client received."""
+        the state over exactly the tokens the client received. `matcher`: the grammar its
+        tokens follow (a fresh one per generation: it is the job's)."""
         if s.position == 0:
             raise APIError(400, "empty_session", "the session holds no tokens yet: push a prompt first")
         eng = self.engines[s.model]
@@ -244,7 +255,7 @@ class Runtime:
             self.admission.closed(s.owner, j.emitted)
             if not s.ephemeral:  # the row is final: read it now, saving persist a round trip
                 j.state = eng.read(j.slot)
-        job = Job(s.slot, params, asyncio.get_running_loop(), logprobs, finished)
+        job = Job(s.slot, params, asyncio.get_running_loop(), logprobs, finished, matcher=matcher)
         eng.submit(job)
         st = Stream(job, eng, s, lambda: self.finish_generation(st), self.spawn)
         self.open.add(st)

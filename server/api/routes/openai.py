@@ -20,10 +20,12 @@ from linstream.model.footprint import footprint
 from ...core.auth import Owner
 from ...core.errors import APIError, body
 from ...engine.engine import Engine
+from ...runtime.constraints import Constraint
 from ...engine.prompts import context_limit, context_phrase
 from ...sessions.session import Session
 from ..openai_schemas import MAX_RUNS, Chat, Completion, OpenAISampling, chat_prompt, unsupported
 from ..streaming import DONE_FRAME, Gathered, Stream, data_frame, events, sse_response
+from ..structured import Calls, check, constraint, tool_plan
 from .deps import RT, json_body
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -53,13 +55,14 @@ def _separator(tail: str) -> str:
 
 
 async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | None, logprobs: int | None,
-               choice: int = 0, transcript: bool = False, follow: str = "") -> Run:
+               choice: int = 0, transcript: bool = False, follow: str = "", constraint: Constraint | None = None) -> Run:
     """Open or continue the session, push the prompt, start generating. `transcript`: text is
     chat turns, separated from what a continued session holds; `follow`: what the next request
     puts after this completion (the prefix cache keeps that state too). What can be refused is checked
     before a temporary session is made; once made, it is deleted on any way out (a refusal, an
     error, a cancellation) until its generation owns it, and then when that ends
-    (Runtime.finish_generation)."""
+    (Runtime.finish_generation). `constraint`: what the output follows (api/structured.py),
+    compiled for the engine before any work."""
     limit = rt.settings.max_new_tokens
     req.new_tokens(limit, context_phrase(rt.settings))  # refused before any work
     if req.session_id:
@@ -70,6 +73,7 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
     else:
         s, eng = None, rt.engine(req.model)
     params = req.to_params(limit, eng.model.cfg.vocab_size, choice)
+    matcher = await rt.constrain(eng, constraint)
     ids = await (rt.prompt_tokens(eng, owner, text) if isinstance(text, str) else rt.tokens_of(eng, None, text))
     if not ids and (s is None or s.position == 0):
         raise APIError(400, "empty_prompt", "the prompt is empty: send text or token ids" if s is None else
@@ -89,7 +93,7 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
             if pre is not None and echo_logprobs is not None:  # the very first token has no context
                 echo = [(t, None if start == 0 and i == 0 else lp, None if start == 0 and i == 0 else top)
                         for i, (t, (lp, top)) in enumerate(zip(ids, pre.results))]
-            st = rt.generate(s, params, logprobs)
+            st = rt.generate(s, params, logprobs, matcher)
     except BaseException:  # cancellation (the client left, shutdown) included
         if temp:  # shielded: a second cancellation must not cut the delete short
             await asyncio.shield(rt.spawn(rt.delete(s)))
@@ -325,11 +329,12 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
         prompts = await _token_prompts(rt, rt.engine(req.model), prompts)
     want = req.logprobs
     lp = 0 if want is None and best > n else want  # ranking by best_of needs each token's logprob
+    wanted = constraint(req)
 
     async def start(k: int, prompts=prompts):  # run k: choice k % best of prompt k // best
         if k and not req.stream:
             await _gone(request)
-        return await _run(rt, req, owner, prompts[k // best], want if req.echo else None, lp, k % best)
+        return await _run(rt, req, owner, prompts[k // best], want if req.echo else None, lp, k % best, constraint=wanted)
 
     first = await start(0)
     choices = Choices(start, first, len(prompts) * best, best, rt.settings.choices_at_once)
@@ -389,13 +394,18 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
         raise APIError(400, "invalid_request_error", "top_logprobs: set logprobs to true to use top_logprobs",
                        param="top_logprobs", code="invalid_value")
     _runs(req, req.n)
-    text = chat_prompt(req.messages)
+    tools = tool_plan(req)
+    check(req, tools)
+    wanted = tools.constraint() if tools is not None and tools.calls else constraint(req)
+    text = (tools.prompt() if tools is not None else "") + chat_prompt(req.messages)
     lp = (req.top_logprobs or 0) if req.logprobs else None
+    calls = {}  # choice -> its tool calls as they come, when the output is a tool call
 
     async def start(k: int):
         if k and not req.stream:
             await _gone(request)
-        return await _run(rt, req, owner, text, None, lp, k, transcript=True, follow="\n\n")
+        return await _run(rt, req, owner, text, None, lp, k, transcript=True, follow="\n\n", constraint=wanted)
+
 
     first = await start(0)
     choices = Choices(start, first, req.n, req.n, rt.settings.choices_at_once)
@@ -404,6 +414,8 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
 
     if req.stream:
         def render(k, run, kind, ev, sent):
+            if tools is not None and tools.calls:
+                return _render_calls(base, calls.setdefault(k, Calls(tools)), k, run, kind, ev)
             if kind == "start":
                 delta, finish, lps = {"role": "assistant", "content": ""}, None, None
             elif kind == "token":
@@ -421,11 +433,36 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
         lps = None
         if lp is not None:
             lps = _chat_logprobs(run.tok, [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))])
-        out.append({"index": k, "message": {"role": "assistant", "content": done["text"]},
-                    "finish_reason": _finish(done), "logprobs": lps})
+        message, finish = {"role": "assistant", "content": done["text"]}, _finish(done)
+        if tools is not None and tools.calls:
+            got = Calls(tools)
+            got.feed(done["text"])
+            message = {"role": "assistant", "content": None, "tool_calls": got.calls}
+            finish = "tool_calls" if _complete(run.stream) else finish
+        out.append({"index": k, "message": message, "finish_reason": finish, "logprobs": lps})
         usage = _usage(done["usage"]["prompt_tokens"], usage["completion_tokens"] + done["usage"]["completion_tokens"])
     return json_body({**base, "object": "chat.completion", "choices": out, "usage": usage,
                       **({"session_id": first.session.id} if not first.temp else {})})
+
+
+def _complete(st: Stream) -> bool:
+    """Did the generation's grammar come to its end (a tool call whole, not cut by max_tokens)?"""
+    return st.job.matcher is not None and st.job.matcher.ended
+
+
+def _render_calls(base: dict, calls: Calls, k: int, run: Run, kind: str, ev: dict | None) -> list[dict]:
+    """A chat stream's chunks for a choice whose output is a tool call: delta.tool_calls as the
+    call's text comes (Calls), then finish_reason "tool_calls" once it is whole."""
+    if kind == "start":
+        delta, finish = {"role": "assistant", "content": None}, None
+    elif kind == "token":
+        deltas = calls.feed(ev["text"])
+        if not deltas:
+            return []
+        delta, finish = {"tool_calls": deltas}, None
+    else:
+        delta, finish = {}, "tool_calls" if _complete(run.stream) else _finish(ev)
+    return [{**base, "choices": [{"index": k, "delta": delta, "finish_reason": finish, "logprobs": None}]}]
 
 
 # a model's `created`: when this server started serving it (the process's start, near enough)

@@ -12,6 +12,7 @@ from ...core.auth import Owner
 from ...core.errors import APIError, invalid
 from ..schemas import CreateSession, Generate, Push, Restore
 from ..streaming import collect, sse, sse_response
+from ..structured import constraint
 from .deps import RT, json_body
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
@@ -84,8 +85,10 @@ async def push(sid: str, owner: Owner, req: Push, rt: RT):
 @router.post("/{sid}/generate", responses=SSE)
 async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
     params = req.to_params(rt.settings.max_new_tokens)
+    wanted = constraint(req)  # guided_*: this generation only; the session goes on freely after it
     async with rt.use(sid, owner, release=False) as s:  # released once the final state is persisted
-        st = rt.generate(s, params, req.logprobs)
+        matcher = await rt.constrain(rt.engines[s.model], wanted)
+        st = rt.generate(s, params, req.logprobs, matcher)
     if req.stream:
         return sse_response(sse(st), st.let_go, rt.settings)
     return json_body(await collect(st))
