@@ -8,7 +8,8 @@
         print(ev.text, end="", flush=True)
     print(stream.done.timings)
 
-Server errors raise `LinstreamError` subclasses carrying the server's type and message.
+Server errors raise `LinstreamError` subclasses carrying the server's type and message (and its
+`param` and `code`).
 """
 from __future__ import annotations
 
@@ -45,13 +46,14 @@ def _raise(r: httpx.Response) -> None:
         err = r.json()["error"]
         etype, msg = err["type"], err["message"]
     except Exception:
-        etype, msg = "http_error", r.text[:200]
+        err, etype, msg = {}, "http_error", r.text[:200]
     cls = {404: NotFound, 409: SessionBusy, 413: TooLarge, 401: Unauthorized, 503: AtCapacity}.get(r.status_code)
     if cls is None:
         cls = SnapshotRejected if etype.startswith(("snapshot", "corrupt")) else (
             InvalidRequest if r.status_code < 500 else LinstreamError)
     e = cls(r.status_code, etype, msg)
     e.retry_after = r.headers.get("retry-after")
+    e.param, e.code = err.get("param"), err.get("code")  # the field at fault; OpenAI's code where it has one
     raise e
 
 

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from linstream.clients import bench_latency
 from linstream.clients.commands import CHAT_HELP, app
-from linstream.clients.sdk import Client
+from linstream.clients.sdk import Client, NotFound
 from linstream.clients.stats import starved
 from tests.helpers import ServerProcess, make_checkpoint
 
@@ -77,3 +77,9 @@ def test_loadtest_reports_the_servers_per_token_time(server, tmp_path):
     assert level["tokens"] > 0 and not level["errors"]
     assert level["server_per_token_ms"]["p50"] > 0 and f"server per token p50 {level['server_per_token_ms']['p50']} ms" in r.output
     assert ("starved of CPU" in r.output) == level["client_starved"]
+
+
+def test_sdk_errors_carry_param_and_code(server):
+    with Client(server.url, KEY) as c, pytest.raises(NotFound) as e:
+        c.create_session(prompt="Hi", model="gpt-4o")
+    assert (e.value.type, e.value.param, e.value.code) == ("unknown_model", "model", "model_not_found")

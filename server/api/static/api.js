@@ -1,4 +1,4 @@
-// The HTTP API as the page uses it: JSON calls, errors as {type, message}, and SSE over a POST.
+// The HTTP API as the page uses it: JSON calls, errors as {message, type, param, code}, and SSE over a POST.
 
 export const auth = {key: ""};  // the API key: page memory only, never written to storage
 
@@ -10,7 +10,7 @@ export function headers(json) {
 }
 
 export async function apiError(r) {
-  // every error the server sends is {"error": {"type", "message"}}; anything else says its status
+  // every error the server sends is {"error": {"message", "type", "param", "code"}}; anything else says its status
   let type = "http_" + r.status, message = r.statusText || "request failed";
   try {
     const e = (await r.json()).error;
