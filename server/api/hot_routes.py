@@ -21,6 +21,7 @@ import orjson
 from starlette.requests import Request
 
 from ..core.errors import EXPECTED, response_for
+from .disconnect import ClientGone, unless_gone
 from .openai_schemas import Chat, Completion
 from .routes import openai, sessions
 from .schemas import CreateSession, Generate, Push
@@ -92,7 +93,10 @@ class HotRoutes:
         rt = scope["app"].state.runtime
         try:
             owner = rt.keys.owner(_header(scope["headers"], b"authorization"))
-            response = await route(rt, owner, req, sid, Request(scope, receive))
+            # the body is read: a client that leaves from now on stops the work (disconnect.py)
+            response = await unless_gone(route(rt, owner, req, sid, Request(scope, receive)), receive)
+        except ClientGone:
+            return
         except Exception as e:
             if not isinstance(e, EXPECTED):  # a bug: logged with its traceback, as uvicorn would
                 log.exception("%s %s", scope["method"], scope["path"])

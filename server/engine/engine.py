@@ -71,8 +71,8 @@ from linstream.model.sampling import finite_rows, sample
 from linstream.model.state import State
 from linstream.model.tokenizer import Tokenizer
 
-from .jobs import Job, NonFiniteState, Prefill, logprob_entries, run_all, settle
-from .plan import RowViews, ema, holes_cheap, slice_len
+from .jobs import Job, NonFiniteState, Prefill, PrefillCancelled, logprob_entries, run_all, settle
+from .plan import RowViews, ema, holes_cheap, share_rows, slice_len
 from .rollback import Rollback
 
 log = logging.getLogger("linstream.engine")
@@ -114,6 +114,7 @@ class Engine:
         self.rows = RowViews(self.pool, self.kv)
         self.cmds: deque = deque()
         self.prefills: deque[Prefill] = deque()
+        self.last_key: str | None = None  # whose prefill the last slice was (_next_prefill)
         self.jobs: list[Job] = []
         self.texts: dict[int, TextStream] = {}  # id(job) -> its text so far
         self.cv = threading.Condition()
@@ -153,13 +154,28 @@ class Engine:
             self.cv.notify()
         return await fut
 
-    async def prefill(self, slot: int, tokens: list[int], logprobs: int | None = None, read: bool = False) -> Prefill:
+    def later(self, fn: Callable[[], Any]) -> None:
+        """Run fn() on the engine thread between two iterations; nobody waits for it."""
+        with self.cv:
+            self.cmds.append((fn, None, None))
+            self.cv.notify()
+
+    async def prefill(self, slot: int, tokens: list[int], logprobs: int | None = None, read: bool = False,
+                      owner: str = "") -> Prefill:
+        """Consume `tokens` into the slot's row, in slices between decode steps. If the caller is
+        cancelled (its client left), the prefill stops at its next slice boundary, its row back
+        to where it began, and PrefillCancelled says so (or that it had already been applied)."""
         loop = asyncio.get_running_loop()
-        job = Prefill(slot, tokens, loop.create_future(), loop, logprobs, read=read)
+        job = Prefill(slot, tokens, loop.create_future(), loop, logprobs, read=read, owner=owner)
+        job.future.add_done_callback(_retrieved)
         with self.cv:
             self.prefills.append(job)
             self.cv.notify()
-        await job.future
+        try:
+            await asyncio.shield(job.future)  # shielded: the engine settles it, whoever waits
+        except asyncio.CancelledError:
+            applied = await asyncio.shield(self.call(lambda: self._drop_prefill(job)))
+            raise PrefillCancelled(applied) from None
         return job
 
     def submit(self, job: Job) -> None:
@@ -170,6 +186,16 @@ class Engine:
     @property
     def queue_depth(self) -> int:
         return len(self.prefills) + sum(1 for j in self.jobs if j.t_start is None)
+
+    def _drop_prefill(self, job: Prefill) -> bool:
+        """Its caller left: drop the prefill unless it is done, the row back to where it began
+        (engine thread, between slices). -> whether it had been applied whole."""
+        if job in self.prefills:
+            self.prefills.remove(job)
+            if job.saved is not None and job.done:
+                self.pool.assign([job.slot], job.saved)
+            job.saved = None
+        return job.applied
 
     # ---- slot operations: engine thread only (through `call`) ----------------------------
     def alloc(self, state: State | None = None) -> int:
@@ -186,6 +212,16 @@ class Engine:
 
     def read(self, slot: int) -> State:
         return self.pool.select([slot]).compact()
+
+    def keep(self, slot: int) -> State:
+        """The slot's row as it is now, to go back to (`put_back`). KV caches are left out: their
+        entries past a row's position are never read, so the position undoes them."""
+        return self.pool.copy_rows([slot], with_growing=False)
+
+    def put_back(self, slot: int, row: State, read: bool) -> State | None:
+        """The slot's row back to `row` (from `keep`). -> the row as `read` gives it, if asked."""
+        self.pool.assign([slot], row)
+        return self.read(slot) if read else None
 
     def row_nbytes(self, slot: int) -> int:
         return self.pool.row_nbytes(slot)
@@ -221,8 +257,11 @@ class Engine:
                     res, err = fn(), None
                 except Exception as e:  # handed back to the awaiting handler
                     res, err = None, e
-                self._post(loop, settle, fut, res, err)
-            job = next((p for p in self.prefills if not self._rides(p)), None)
+                    if fut is None:
+                        log.exception("engine command failed")
+                if fut is not None:
+                    self._post(loop, settle, fut, res, err)
+            job = self._next_prefill()
             if job is not None:  # (the others ride in the decode step below)
                 self._deliver()  # before a prefill slice, which may take a while
                 self._prefill_chunk(job)
@@ -261,6 +300,19 @@ class Engine:
                 pass
         self.outbox = {}
 
+    def _next_prefill(self) -> Prefill | None:
+        """The prefill to run a slice of (those that ride in the decode step aside): keys take
+        turns, one slice each, so that one key's queue of long prompts delays another key's by
+        a slice, not by all of them; a key's own prefills run in the order they came."""
+        waiting = [p for p in self.prefills if not self._rides(p)]
+        if not waiting:
+            return None
+        keys = list(dict.fromkeys(p.owner for p in waiting))
+        after = keys.index(self.last_key) + 1 if self.last_key in keys else 0
+        key = keys[after % len(keys)]
+        self.last_key = key
+        return next(p for p in waiting if p.owner == key)
+
     def slice_len(self) -> int:
         """Tokens of the next prefill slice: a whole chunk unless streams are decoding."""
         return slice_len(self.prefill_chunk, self.min_slice, self.prefill_share, self.step_s, self.token_s,
@@ -297,6 +349,7 @@ class Engine:
             return
         if job.done >= len(job.tokens):
             self.prefills.remove(job)
+            job.applied = True
             if job.read:
                 job.state = self.read(job.slot)
             self._post(job.loop, settle, job.future, job, None)
@@ -347,7 +400,7 @@ class Engine:
             self._emit(first, self.pool.next_logits[rows])  # (they leave as the step below starts)
             # ... which may consume them ahead of delivery: a job's first step is this one, not the next
             step += [j for j in first if j.pending is not None and j in self.jobs and self._may_consume(j)]
-        step = step[: self.max_batch]
+        step = share_rows(step, self.max_batch)
         busy = {j.slot for j in self.jobs}
         riders = [p for p in self.prefills if self._rides(p) and p.slot not in busy][: self.max_batch - len(step)]
         if step or riders:
@@ -455,7 +508,7 @@ class Engine:
         elif p.done < len(p.tokens):
             return
         self.prefills.remove(p)
-        p.saved = None
+        p.saved, p.applied = None, err is None
         if err is None and p.read:
             p.state = self.read(p.slot)
         self._post(p.loop, settle, p.future, None if err else p, err)
@@ -622,6 +675,12 @@ class Engine:
             j.on_finish(j)
         self._post(j.loop, j.finished.set)
         self._post(j.loop, j.events.put_nowait, ("done", None))
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    """Read a prefill's outcome, so that one whose caller left is not logged as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _refill(matchers: list[Matcher]) -> None:

@@ -41,6 +41,7 @@ class Job:
     finish: str | None = None
     error: str | None = None  # why it ended with finish "error"
     cancelled: bool = False
+    owner: str = ""  # the key whose request it is: rows are shared out by key when a step is full
     end_reason: str | None = None  # why the server ended it early ("shutdown"), reported instead of "cancelled"
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
@@ -75,7 +76,19 @@ class Prefill:
     state: State | None = None
     saved: State | None = None  # the row before the first of several chunks (rolled back to on failure)
     alone: bool = False  # never rides in the decode step (set when a step it rode in failed)
+    owner: str = ""  # the key whose request it is: prefills take turns by key (Engine._next_prefill)
+    applied: bool = False  # every token consumed and the row kept (engine thread)
     t0: float = field(default_factory=time.perf_counter)
+
+
+class PrefillCancelled(asyncio.CancelledError):
+    """The caller of a prefill was cancelled (its client left). `applied`: the engine had already
+    consumed every token, so the row holds them; else it was dropped at its next slice boundary
+    and the row is as it was before the prefill."""
+
+    def __init__(self, applied: bool):
+        super().__init__()
+        self.applied = applied
 
 
 def run_all(calls: list) -> None:

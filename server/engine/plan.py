@@ -33,6 +33,25 @@ def slice_len(chunk: int, min_slice: int, share: float, step_s: float | None, to
     return max(floor, min(chunk, int(share * step_s / token_s)))
 
 
+def share_rows(jobs: list, n: int) -> list:
+    """At most n of the jobs ready to step, shared out by key (`owner`) when there are more:
+    each key's first job, then each one's second, and so on, so that a key with many
+    generations cannot leave another's without a row."""
+    if len(jobs) <= n:
+        return jobs
+    by_key: dict[str, list] = {}
+    for j in jobs:
+        by_key.setdefault(j.owner, []).append(j)
+    out: list = []
+    for i in range(n):
+        for queue in by_key.values():
+            if i < len(queue):
+                out.append(queue[i])
+        if len(out) >= n:
+            break
+    return out[:n]
+
+
 def holes_cheap(rows: list[int]) -> bool:
     """Is stepping the whole span rows[0]..rows[-1] (holes included) cheaper than gathering
     `rows` into copies and writing them back? Rows are batch-invariant, so a hole's row changes

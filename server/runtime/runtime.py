@@ -24,6 +24,7 @@ trusted is never loaded: the calls on it answer 500 naming what is wrong, and DE
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -36,7 +37,7 @@ from ..core.metrics import Metrics
 from ..core.settings import Settings
 from ..engine.admission import Admission
 from ..engine.engine import Engine
-from ..engine.jobs import Job, NonFiniteState
+from ..engine.jobs import Job, NonFiniteState, PrefillCancelled
 from ..engine.loading import load_engines
 from ..engine.prompts import tokens_of
 from ..sessions.leases import Leases
@@ -220,9 +221,15 @@ class Runtime:
         eng = self.engines[s.model]
         t0 = time.perf_counter()
         try:
-            job = await eng.prefill(s.slot, ids, logprobs, read=not s.ephemeral) if ids else None
+            job = await eng.prefill(s.slot, ids, logprobs, read=not s.ephemeral, owner=s.owner) if ids else None
         except NonFiniteState as e:  # the session's state (a restored one) cannot take these tokens
             raise APIError(422, "non_finite_state", str(e)) from None
+        except PrefillCancelled as e:  # the client left: the push stopped and was undone, or it was whole by then
+            if e.applied:  # the history follows the state
+                s.tokens.extend(ids)
+                with contextlib.suppress(APIError, StoreUnavailable):  # a dirty session is written later
+                    await asyncio.shield(self.held.persist(s))
+            raise
         s.tokens.extend(ids)
         self.metrics.prompt_tokens.labels(s.model).inc(len(ids))
         if ids:
@@ -234,6 +241,12 @@ class Runtime:
             raise StoreUnavailable(f"{e}; the {len(ids)} tokens were applied: the session is at position {s.position} "
                                    "in this server's memory and is written to the store when it is back") from None
         return ms, job
+
+    async def mark(self, s: Session) -> tuple:
+        """Where a held session is now (its row and history length), for a generation whose
+        response may never leave to go back to (Stream.undo: finish_generation puts it back)."""
+        eng = self.engines[s.model]
+        return await eng.call(lambda: eng.keep(s.slot)), len(s.tokens)
 
     async def constrain(self, eng: Engine, c: Constraint | None) -> Matcher | None:
         """The matcher of a request's constraint for `eng`, compiled off the event loop and the
@@ -255,7 +268,7 @@ class Runtime:
             self.admission.closed(s.owner, j.emitted)
             if not s.ephemeral:  # the row is final: read it now, saving persist a round trip
                 j.state = eng.read(j.slot)
-        job = Job(s.slot, params, asyncio.get_running_loop(), logprobs, finished, matcher=matcher)
+        job = Job(s.slot, params, asyncio.get_running_loop(), logprobs, finished, owner=s.owner, matcher=matcher)
         eng.submit(job)
         st = Stream(job, eng, s, lambda: self.finish_generation(st), self.spawn)
         self.open.add(st)
@@ -275,6 +288,10 @@ class Runtime:
                 del s.tokens[len(s.tokens) - extra:]
                 job.yielded = job.consumed
                 job.error += f"; the last {extra} token(s) sent could not be applied and are not part of the session"
+            if st.undo is not None and st.abandoned:  # a response that never left: the session as before it
+                row, n = st.undo
+                job.state = await st.eng.call(lambda: st.eng.put_back(s.slot, row, read=not s.ephemeral))
+                del s.tokens[n:]
             await self.held.persist(s, job.state)
             if s.id in self.reuse.turns and job.finish != "error":
                 await self.reuse.cache_turn(s, st.eng, job)

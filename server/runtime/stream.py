@@ -25,6 +25,10 @@ class Stream:
                  spawn: Callable[[Awaitable], asyncio.Task]):
         self.job, self.eng, self.session = job, eng, session
         self.start = session.position  # the position the generation starts from
+        # (row, history length) the session goes back to if the generation's response never
+        # leaves (a non-streamed one whose client leaves first: Runtime.mark), and whether it did not
+        self.undo: tuple | None = None
+        self.abandoned = False
         self._finish, self._spawn = finish, spawn
 
     def delivered(self, token: int) -> None:
@@ -67,6 +71,7 @@ async def events(st: Stream) -> AsyncIterator[tuple[str, dict]]:
     in the background. Only this handler cancels a job it is streaming (it alone knows which
     tokens left), so a server-side end (Stream.cancel) takes effect at its next token."""
     job, start = st.job, st.start
+    done_taken = False
     try:
         while True:
             kind, ev = await job.events.get()
@@ -83,6 +88,7 @@ async def events(st: Stream) -> AsyncIterator[tuple[str, dict]]:
                         "timings": job.timings(), "persisted": persisted}
                 if job.finish == "error":
                     done["error"] = {"type": "generation_failed", "message": job.error}
+                done_taken = True
                 yield "done", done
                 return
             if job.finish == "error" and job.yielded >= job.consumed:  # the failed job's state ends
@@ -95,4 +101,5 @@ async def events(st: Stream) -> AsyncIterator[tuple[str, dict]]:
             yield "token", ev
             st.delivered(ev["token"])  # reached only once the event was handed over
     finally:
+        st.abandoned = not done_taken
         st.let_go()

@@ -166,7 +166,7 @@ class Residency:
         An idle session is current in the store, so spilling it only drops its slot."""
         while True:
             try:
-                return await eng.call(lambda: eng.alloc(state))
+                return await _slot(eng, lambda: eng.alloc(state))
             except RuntimeError:
                 pass
             idle = [s for s in self.sessions.values()  # a dirty session's state exists only in its slot
@@ -186,7 +186,7 @@ class Residency:
             def swap(slot=slot):  # in one engine call, so a concurrent request cannot take the freed slot
                 eng.release(slot)
                 return eng.alloc(state)
-            return await eng.call(swap)
+            return await _slot(eng, swap)
 
     async def new(self, eng: Engine, owner: str, state: State | None = None, tokens=(), start: int = 0,
                   ephemeral: bool = False, affinity: str | None = None) -> Session:
@@ -313,6 +313,18 @@ class Residency:
             await self.records.forget(s.id)
         self.records.clean(s)
         await self.drop(s)
+
+
+async def _slot(eng: Engine, fn) -> int:
+    """`eng.call(fn)` for a call that hands out a slot. If the caller is cancelled meanwhile (its
+    client left), the slot is given back once the engine has handed it out, instead of being lost."""
+    call = asyncio.ensure_future(eng.call(fn))
+    try:
+        return await asyncio.shield(call)
+    except asyncio.CancelledError:
+        call.add_done_callback(lambda c: c.cancelled() or c.exception() is not None or eng.later(
+            lambda: eng.release(c.result())))
+        raise
 
 
 def _checked_blob(state: State, fingerprint: str, covers: int) -> tuple[str | None, bytes | None]:

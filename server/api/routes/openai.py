@@ -88,12 +88,15 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
             if transcript and not temp and s.tokens:  # a continued session: the transcript's separator
                 ids = eng.tok.encode(_separator(eng.tok.decode(s.tokens[-4:]))) + ids
             start = s.position
+            # a continued session answered in one body: if its client leaves first, the session goes back to this
+            undo = None if temp or req.stream else await rt.mark(s)
             _, pre = await rt.push(s, ids[start:] if temp else ids, echo_logprobs)
             echo = None
             if pre is not None and echo_logprobs is not None:  # the very first token has no context
                 echo = [(t, None if start == 0 and i == 0 else lp, None if start == 0 and i == 0 else top)
                         for i, (t, (lp, top)) in enumerate(zip(ids, pre.results))]
             st = rt.generate(s, params, logprobs, matcher)
+            st.undo = undo
     except BaseException:  # cancellation (the client left, shutdown) included
         if temp:  # shielded: a second cancellation must not cut the delete short
             await asyncio.shield(rt.spawn(rt.delete(s)))
@@ -217,11 +220,8 @@ class Choices:
                 raise RuntimeError(f"choices {waiting} never started")
         finally:
             for t, (what, _) in tasks.items():
-                if what == "start":  # not cancelled (a cancel amid the slot's allocation could lose it): let go once started
-                    t.add_done_callback(_let_go_started)
-                else:
-                    t.cancel()
-                    t.add_done_callback(_retrieved)
+                t.cancel()  # a start stops where it is (its prefill at the next slice); one past its end is let go
+                t.add_done_callback(_let_go_started if what == "start" else _retrieved)
             self.let_go()
 
 

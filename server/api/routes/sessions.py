@@ -88,7 +88,10 @@ async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
     wanted = constraint(req)  # guided_*: this generation only; the session goes on freely after it
     async with rt.use(sid, owner, release=False) as s:  # released once the final state is persisted
         matcher = await rt.constrain(rt.engines[s.model], wanted)
+        # one JSON body: if its client leaves before it is ready, the session goes back to this
+        undo = None if req.stream else await rt.mark(s)
         st = rt.generate(s, params, req.logprobs, matcher)
+        st.undo = undo
     if req.stream:
         return sse_response(sse(st), st.let_go, rt.settings)
     return json_body(await collect(st))
