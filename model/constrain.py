@@ -60,7 +60,7 @@ class Matcher:
         self.ended = ll.is_stopped()
         self.error: str | None = None
 
-    def copy(self) -> "Matcher":
+    def copy(self) -> Matcher:
         m = Matcher(self.ll.deep_copy(), self.vocab)
         m.banned, m.ended, m.error = self.banned, self.ended, self.error
         return m

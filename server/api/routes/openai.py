@@ -20,8 +20,8 @@ from linstream.model.footprint import footprint
 from ...core.auth import Owner
 from ...core.errors import APIError, body
 from ...engine.engine import Engine
-from ...runtime.constraints import Constraint
 from ...engine.prompts import context_limit, context_phrase
+from ...runtime.constraints import Constraint
 from ...sessions.session import Session
 from ..openai_schemas import MAX_RUNS, Chat, Completion, OpenAISampling, chat_prompt, unsupported
 from ..streaming import DONE_FRAME, Gathered, Stream, data_frame, events, sse_response

@@ -236,3 +236,21 @@ async def test_streamed_tool_calls_add_up_to_the_whole_call(client):
     assert [(c["name"], c["arguments"]) for c in calls.values()] == \
         [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
     assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+async def test_calls_cut_out_of_the_text_as_it_comes_whatever_the_pieces():
+    """Braces and quotes inside strings, escapes, several calls: fed whole or a character at a
+    time, the same calls, and the argument pieces add up to each call's arguments."""
+    from linstream.server.api.structured import Calls, Function, Tools
+    tools = Tools([Function("f", None, {}), Function("g", None, {})], "required")
+    args = ['{"a": "x}]\\"{", "b": [1, {"c": null}]}', "{}"]
+    text = f'[{{"name": "f", "parameters": {args[0]}}}, {{"name": "g", "parameters": {args[1]}}}]'
+    whole = Calls(tools)
+    whole.feed(text)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole.calls] == [("f", args[0]), ("g", args[1])]
+    pieces = Calls(tools)
+    deltas = [d for ch in text for d in pieces.feed(ch)]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in pieces.calls] == [("f", args[0]), ("g", args[1])]
+    for i, want in enumerate(args):
+        assert "".join(d["function"]["arguments"] for d in deltas if d["index"] == i) == want
+    assert [d["function"]["name"] for d in deltas if "id" in d] == ["f", "g"]
