@@ -406,7 +406,6 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
             await _gone(request)
         return await _run(rt, req, owner, text, None, lp, k, transcript=True, follow="\n\n", constraint=wanted)
 
-
     first = await start(0)
     choices = Choices(start, first, req.n, req.n, rt.settings.choices_at_once)
     base = {"id": f"chatcmpl-{first.session.id[5:21]}", "object": "chat.completion.chunk", "created": int(time.time()),
