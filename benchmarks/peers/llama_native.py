@@ -1,0 +1,74 @@
+"""llama.cpp's own programs, built by llama_build.py: `llama-bench` runs read from its JSON, and
+`llama-server` in a subprocess on a free loopback port, for benchmarks/peers/llama_server.py.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from harness.local_server import free_port, stop_process, wait_until_up
+
+
+def bench(llama_bench: Path, gguf: Path, *, prompt: int = 0, gen: int = 0, threads: int = 1,
+          reps: int = 5) -> dict:
+    """One `llama-bench` test (-p PROMPT -n GEN -t THREADS -r REPS): tokens/s as llama-bench
+    reports them (the mean over the repetitions and each repetition's), and the command."""
+    args = [str(llama_bench), "-m", str(gguf), "-p", str(prompt), "-n", str(gen), "-t", str(threads),
+            "-r", str(reps), "-o", "json"]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=600, check=False)
+    if p.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({p.returncode}): {p.stderr[-600:]}")
+    (row,) = json.loads(p.stdout)
+    return {"command": " ".join(["llama-bench", *args[1:2], gguf.name, *args[3:-2]]),
+            "tokens_per_s": row["avg_ts"], "stddev_tokens_per_s": row["stddev_ts"],
+            "samples_tokens_per_s": row.get("samples_ts"), "n_batch": row.get("n_batch"),
+            "n_ubatch": row.get("n_ubatch"), "build_commit": row.get("build_commit"),
+            "build_number": row.get("build_number"), "cpu_info": row.get("cpu_info")}
+
+
+def server_args(llama_server: Path, gguf: Path, port: int, slots: int, slot_ctx: int) -> list[str]:
+    """One compute thread for tokens and prompts (-t 1 -tb 1), `slots` parallel sequences with
+    continuous batching, and a context that gives every slot `slot_ctx` tokens (-c is shared)."""
+    return [str(llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "-t", "1", "-tb", "1", "-np", str(slots), "--cont-batching", "-c", str(slots * slot_ctx)]
+
+
+class LlamaServer:
+    """`llama-server` up on a free port until stop(); its log goes to a file."""
+
+    def __init__(self, llama_server: Path, gguf: Path, log: Path, slots: int = 64, slot_ctx: int = 512):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = server_args(llama_server, gguf, self.port, slots, slot_ctx)
+        self.log_path = log
+        self._log = open(log, "w")  # noqa: SIM115 (open until stop())
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
+        if not wait_until_up(self.proc, self.url + "/health", 120):
+            self.stop()
+            raise RuntimeError(f"llama-server did not come up: {log.read_text()[-800:]}")
+
+    def stop(self) -> None:
+        stop_process(self.proc, grace=10)
+        self._log.close()
+
+
+def first_token_s(args: list[str], post, log: Path) -> float:
+    """Seconds from starting a server process (`args`) to the first streamed token of one request:
+    `post()` is retried while the server is not yet listening or not yet ready, and returns once a
+    token has arrived. The process is stopped afterwards."""
+    with open(log, "w") as out:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{args[0]} exited with {proc.returncode}: {log.read_text()[-800:]}")
+                if post():
+                    return time.perf_counter() - t0
+                time.sleep(0.01)
+                if time.perf_counter() - t0 > 300:
+                    raise RuntimeError(f"no first token from {args[0]} within 300 s")
+        finally:
+            stop_process(proc, grace=10)
