@@ -59,9 +59,10 @@ cli_clients() (  # linstream's own client commands against one server with every
       --out $r/serving/loadtest                  # serving/loadtest.json, .png
 )
 
-peers() {  # beside llama.cpp (llama-cpp-python) and transformers
+peers() {  # beside llama.cpp (llama-cpp-python; its own llama-server and llama-bench) and transformers
   python -m benchmarks.peers.shipped             # peers/shipped.json, .png
   python -m benchmarks.peers.mamba130m           # peers/mamba130m.json
+  python -m benchmarks.peers.llama_server        # peers/llama_server.json (builds llama.cpp once: peers/llama_build.py)
   # benchmarks/peers/lm_eval_task/: lm-eval's `local_text` task against a running server
   # (--include_path benchmarks/peers/lm_eval_task --tasks local_text); no file here.
 }
