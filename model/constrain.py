@@ -5,7 +5,7 @@ llguidance (`python -m benchmarks.model.grammar_libs` compares it with xgrammar 
     grammars = Grammars(tok, V)            one per tokenizer: llguidance's view of the vocabulary
     m = grammars.compile(kind, text)       -> Matcher, its first mask computed (can take a while:
                                               call it off the engine thread)
-    m.banned                               (V,) bool: the tokens the grammar does not allow next
+    m.banned                               (V,) numpy bool: the tokens the grammar does not allow next
     m.take(token) -> ended                 consume a sampled token; True once the grammar is complete
     m.refill()                             the next `banned` (drops the GIL while it works)
     sample(logits, ..., masks=[m.banned])  model/sampling.py: a masked row draws among allowed tokens
@@ -28,7 +28,6 @@ from typing import Literal
 
 import llguidance as llg
 import numpy as np
-import torch
 
 from .tokenizer import Tokenizer
 
@@ -56,7 +55,7 @@ class Matcher:
 
     def __init__(self, ll: llg.LLMatcher, vocab: int):
         self.ll, self.vocab = ll, vocab
-        self.banned: torch.Tensor | None = None  # (V,) bool, once refilled
+        self.banned: np.ndarray | None = None  # (V,) bool, once refilled
         self.ended = ll.is_stopped()
         self.error: str | None = None
 
@@ -71,16 +70,15 @@ class Matcher:
         `error`."""
         if self.ended or self.error:
             return
-        bits = np.frombuffer(self.ll.compute_bitmask(), np.uint8)
-        banned = np.unpackbits(np.invert(bits), bitorder="little")[:self.vocab].view(np.bool_)
-        if self.ll.is_error():
-            self.error = self.ll.get_error()
-        elif banned.all():  # only the end may come: complete, or stuck
-            if self.ll.is_accepting():
+        allowed = self.ll.compute_logit_bias()  # a byte per token: 0 banned, else allowed
+        if allowed.count(0, 0, self.vocab) == self.vocab:  # no token of the model: complete, stuck or failed
+            if self.ll.is_error():
+                self.error = self.ll.get_error()
+            elif self.ll.is_accepting():
                 self.ended = True
             else:
                 self.error = "the grammar allows no token of this model here"
-        self.banned = torch.from_numpy(banned)
+        self.banned = np.frombuffer(allowed, np.uint8, count=self.vocab) == 0
 
     def take(self, token: int) -> bool:
         """Consume a sampled token; -> whether the grammar is complete (nothing else may follow)."""
@@ -91,7 +89,7 @@ class Matcher:
         return self.ended
 
     def allows(self, token: int) -> bool:
-        return self.banned is None or not bool(self.banned[token])
+        return self.banned is None or not self.banned[token]
 
 
 class Grammars:

@@ -160,11 +160,11 @@ def adjust_logits(logits: Tensor, params: list[SamplingParams], counts: list[Map
 
 
 def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-           counts: list[Mapping[int, int]] | None = None, masks: list[Tensor | None] | None = None) -> Tensor:
+           counts: list[Mapping[int, int]] | None = None, masks: list[np.ndarray | None] | None = None) -> Tensor:
     """One token per row. Greedy rows take the argmax; others invert the CDF (in vocabulary order)
     at a uniform drawn from the row's generator. `counts`: per row, how often it generated each
-    token (penalties). `masks`: per row, None or the tokens it may not draw, (V,) bool (a grammar's,
-    model/constrain.py); such a row draws from its logits with those set to -inf. -> (B,) int64
+    token (penalties). `masks`: per row, None or the tokens it may not draw, (V,) numpy bool (a
+    grammar's, model/constrain.py); such a row draws from its logits with those set to -inf. -> (B,) int64
 
     The draw is `reference_draw`'s, token for token, whatever the batch; `_fast_draw` finds it
     without a sort for rows without filters."""
@@ -180,17 +180,17 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
     return out
 
 
-def banned_to_inf(logits: Tensor, rows: list[int], banned: list[Tensor]) -> Tensor:
+def banned_to_inf(logits: Tensor, rows: list[int], banned: list[np.ndarray]) -> Tensor:
     """A copy of logits (B, V) with each of `rows` set to -inf where its mask (V,) bool is True;
     the other rows as they were. numpy on the CPU: a fraction of torch's per-call cost at one row."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         x = logits.detach().numpy().copy()
         for i, b in zip(rows, banned):
-            x[i][b.numpy()] = -np.inf
+            x[i][b] = -np.inf
         return torch.from_numpy(x)
     out = logits.float().clone()
     for i, b in zip(rows, banned):
-        out[i].masked_fill_(b.to(out.device), float("-inf"))
+        out[i].masked_fill_(torch.from_numpy(b).to(out.device), float("-inf"))
     return out
 
 

@@ -57,7 +57,7 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from queue import SimpleQueue
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -104,8 +104,10 @@ class Engine:
         self.sampler = sample  # replaceable, for fault-injection tests
         self.grammars = Grammars(tok, model.cfg.vocab_size)  # compiled off this thread (runtime/constraints.py)
         self.overlap_masks = True  # compute constrained rows' next masks while the step runs
-        self._masker: ThreadPoolExecutor | None = None  # made on the first constrained job
-        self._masking: Future | None = None  # the masks in the making
+        self._masker: threading.Thread | None = None  # started with the first constrained job (_mask_loop)
+        self._mask_todo: SimpleQueue = SimpleQueue()  # matchers to refill, for the mask thread; None ends it
+        self._mask_done: SimpleQueue = SimpleQueue()  # one item per batch of masks made
+        self._masking = False  # masks are in the making
         self.rollback = Rollback(self.pool)
         # the pool's rows fit the compiled step as they are (checked once here, not per step);
         # its tensors are never replaced but for a KV cache's growth, so a run of rows' views
@@ -133,7 +135,7 @@ class Engine:
             self.cv.notify()
         self.thread.join(timeout=10)
         if self._masker is not None:
-            self._masker.shutdown(wait=False)
+            self._mask_todo.put(None)
 
     def wake(self):
         """Tell the engine thread that something it waits for may have changed (a token handed
@@ -568,14 +570,23 @@ class Engine:
         if not self.overlap_masks:
             return _refill(matchers)
         if self._masker is None:
-            self._masker = ThreadPoolExecutor(1, thread_name_prefix=f"masks-{self.name}")
-        self._masking = self._masker.submit(_refill, matchers)
+            self._masker = threading.Thread(target=self._mask_loop, name=f"masks-{self.name}", daemon=True)
+            self._masker.start()
+        self._mask_todo.put(matchers)
+        self._masking = True
 
     def _masks_ready(self) -> None:
         """Wait for the masks in the making (a job's mask is read only after this)."""
-        if self._masking is not None:
-            fut, self._masking = self._masking, None
-            fut.result()
+        if self._masking:
+            self._mask_done.get()
+            self._masking = False
+
+    def _mask_loop(self) -> None:
+        """The mask thread: refill each batch of matchers handed over, and say so. Two queues of
+        C, not an executor's futures: the hand-off is a small share of a mask's own time."""
+        while (matchers := self._mask_todo.get()) is not None:
+            _refill(matchers)
+            self._mask_done.put(None)
 
     def _grammar_ok(self, j: Job) -> bool:
         """May j be sampled? Not if its grammar failed to give a mask (the job is ended)."""
