@@ -77,17 +77,17 @@ def settle(url, want=0, within=5.0):
 
 
 REFUSED = [
-    ("/v1/completions", {"prompt": "Hi", "max_tokens": 65}, 413, "max_tokens_too_large"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 65}, 400, "max_tokens_too_large"),
     ("/v1/completions", {"prompt": [5, 99999], "max_tokens": 4}, 400, "invalid_token"),
-    ("/v1/completions", {"prompt": [5] * 257, "max_tokens": 4}, 413, "prompt_too_long"),
+    ("/v1/completions", {"prompt": [5] * 257, "max_tokens": 4}, 400, "prompt_too_long"),
     ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, "empty_prompt"),
     ("/v1/completions", {"prompt": ["Hi", "there", ""], "max_tokens": 4, "n": 2}, 400, "empty_prompt"),
     ("/v1/completions", {"prompt": [[5, 6], [5, 99999]], "max_tokens": 4}, 400, "invalid_token"),
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"99999": 1}}, 400, "invalid_token"),
-    ("/v1/completions", {"prompt": "Hi", "temperature": -1}, 422, "invalid_request"),
-    ("/v1/completions", {"model": "nope", "prompt": "Hi"}, 400, "unknown_model"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 65}, 413, "max_tokens_too_large"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "top_p": 0}, 422, "invalid_request"),
+    ("/v1/completions", {"prompt": "Hi", "temperature": -1}, 400, "invalid_request_error"),
+    ("/v1/completions", {"model": "nope", "prompt": "Hi"}, 404, "unknown_model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 65}, 400, "max_tokens_too_large"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "top_p": 0}, 400, "invalid_request_error"),
 ]
 
 

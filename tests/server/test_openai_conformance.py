@@ -171,7 +171,7 @@ def test_fields_it_cannot_honour_are_refused_by_name(server, path, body, field):
                                   {"prompt": ["a"] * 129}])
 def test_new_fields_are_bounded(server, body):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **body})
-    assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_request", r.text
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
     assert next(iter(body)) in r.json()["error"]["message"]
 
 

@@ -151,7 +151,7 @@ async def test_stop_sequence(client):
 
 
 @pytest.mark.parametrize("path,body,status,etype", [
-    ("/v1/sessions", {"model": "nope"}, 400, "unknown_model"),
+    ("/v1/sessions", {"model": "nope"}, 404, "unknown_model"),
     ("/v1/sessions", {"tokens": [5, 99999]}, 400, "invalid_token"),
     ("/v1/sessions", {"tokens": [-1]}, 400, "invalid_token"),
     ("/v1/sessions", {"prompt": "a", "tokens": [1]}, 400, "invalid_request"),
@@ -159,7 +159,7 @@ async def test_stop_sequence(client):
     ("/v1/sessions", {"bogus": 1}, 422, "invalid_request"),
     ("/v1/sessions/restore", {"snapshot_id": "snap_missing"}, 404, "not_found"),
     ("/v1/sessions/sess_missing/push", {"text": "x"}, 404, "not_found"),
-    ("/v1/completions", {"prompt": "x", "n": 17}, 422, "invalid_request"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "invalid_request_error"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "unsupported_field"),
 ])
 async def test_errors(client, path, body, status, etype):
