@@ -3,6 +3,11 @@ which keeps the state the generation ended in. A response that names it as its
 `previous_response_id` starts from a fork of that session, so it prefills only its own new input
 however long the conversation has grown, and two responses from one parent are two forks.
 
+A response's session holds the whole conversation in its state, but only its own turn in its
+token history (it starts at the parent's position): a fork then copies a constant-size state and
+nothing that grows with the conversation, and a chain of N responses keeps N turns of tokens,
+not N conversations.
+
 A response not stored (`store: false`) runs on a temporary session, or a fork deleted once it
 ends; so does a stored one whose client left before it ended (no record names its session).
 """
@@ -114,7 +119,7 @@ async def _fork(rt, parent: Session, rid: str, owner: str) -> Session:
     for _ in range(FORK_TRIES):
         try:
             async with rt.use(parent.id, owner) as p:
-                return await rt.fork(p)
+                return await rt.copies.fork(p, history=False)
         except APIError as e:
             if e.type != "session_busy":
                 raise

@@ -53,10 +53,14 @@ class Snapshots:
                 return eng
         raise SnapshotModelMismatch(f"no served model has fingerprint {fp!r}")
 
-    async def fork(self, s: Session) -> Session:
+    async def fork(self, s: Session, history: bool = True) -> Session:
+        """A new session with a copy of the state and, unless `history` is False, of the history;
+        without it the child's history starts at the parent's position (as a session restored from
+        a blob without history does), so a fork costs the same however long the parent is."""
         eng = self.engines[s.model]
         state = await eng.call(lambda: eng.read(s.slot))
+        tokens, start = (s.tokens, s.history_start) if history else ([], s.position)
         # the parent's routing key: a proxy sends the child's requests where it was made
-        child = await self.held.new(eng, s.owner, state, s.tokens, s.history_start, affinity=affinity_of(s.id))
+        child = await self.held.new(eng, s.owner, state, tokens, start, affinity=affinity_of(s.id))
         await self.held.created(child, lambda: self.held.persist(child))
         return child

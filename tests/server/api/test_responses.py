@@ -1,0 +1,241 @@
+"""/v1/responses against a real `linstream serve` process, through the `openai` SDK's
+`client.responses`: a stored response is its session's state at the end, so a response that
+follows it (previous_response_id) prefills only its own input, continues exactly as the same turns
+pushed to one session do, and two responses from one parent are two forks."""
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.helpers import ServerProcess, make_checkpoint
+
+openai = pytest.importorskip("openai")
+
+KEY, OTHER = "key-a", "key-b"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt")
+    # 8 slots: a chain longer than that spills its older responses' states to the store
+    srv = ServerProcess([str(make_checkpoint(d, "tiny-linear"))], {"LINSTREAM_MAX_NEW_TOKENS": "64",
+                                                                   "LINSTREAM_MAX_SESSIONS": "8"},
+                        "--api-key", KEY, "--api-key", OTHER)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def greedy(client, max_output_tokens=6, **kw):
+    return client.responses.create(model="linear", temperature=0, max_output_tokens=max_output_tokens, **kw)
+
+
+def sessions(server) -> int:
+    return len(httpx.get(server.url + "/v1/sessions", headers={"Authorization": f"Bearer {KEY}"}).json()["data"])
+
+
+def count(server, text: str) -> int:
+    r = httpx.post(server.url + "/tokenize", json={"prompt": text}, headers={"Authorization": f"Bearer {KEY}"})
+    return r.json()["count"]
+
+
+def test_create_retrieve_and_usage(client, server):
+    r = greedy(client, input="Hello there", instructions="Be brief.")
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == "linear"
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # 6 tokens, no stop
+    assert r.output[0].type == "message" and r.output[0].role == "assistant" and r.output_text
+    assert r.usage.output_tokens == 6 and r.usage.input_tokens_details.cached_tokens == 0
+    assert r.usage.input_tokens == count(server, "SYSTEM:\nBe brief.\n\nUSER:\nHello there\n\nASSISTANT:\n")
+    assert r.instructions == "Be brief." and r.store is True
+    assert client.responses.retrieve(r.id).model_dump() == r.model_dump()
+
+
+def test_a_follow_up_continues_exactly_as_pushes_to_one_session(client, server):
+    """The same two turns pushed to a session by hand give the same greedy tokens: the follow-up
+    goes on from the first response's state, with the chat template's separator between."""
+    r1 = greedy(client, input="ROMEO:")
+    r2 = greedy(client, input="JULIET:", previous_response_id=r1.id)
+    h = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"})
+    sid = h.post("/v1/sessions", json={"prompt": "USER:\nROMEO:\n\nASSISTANT:\n"}).json()["id"]
+    gen = {"max_tokens": 6, "temperature": 0, "stream": False}
+    first = h.post(f"/v1/sessions/{sid}/generate", json=gen).json()["text"]
+    sep = "" if first.endswith("\n\n") else "\n" if first.endswith("\n") else "\n\n"
+    h.post(f"/v1/sessions/{sid}/push", json={"text": sep + "USER:\nJULIET:\n\nASSISTANT:\n"})
+    second = h.post(f"/v1/sessions/{sid}/generate", json=gen).json()["text"]
+    h.delete(f"/v1/sessions/{sid}")
+    assert (r1.output_text, r2.output_text) == (first, second)
+    assert r2.previous_response_id == r1.id
+    assert r2.usage.input_tokens_details.cached_tokens == r1.usage.total_tokens
+    assert r2.usage.input_tokens - r2.usage.input_tokens_details.cached_tokens == count(
+        server, sep + "USER:\nJULIET:\n\nASSISTANT:\n")
+
+
+def test_a_long_chain_prefills_only_each_turns_new_tokens(client, server):
+    """Turn 40 of a chain processes as many prompt tokens as turn 2 (the same input): the state
+    carries the rest. benchmarks/serving/responses_chain.py times it."""
+    first = r = client.responses.create(model="linear", input="Hi", max_output_tokens=2, temperature=0)
+    new = []
+    for _ in range(40):
+        nxt = client.responses.create(input="Go on.", previous_response_id=r.id, max_output_tokens=2, temperature=0)
+        assert nxt.usage.input_tokens_details.cached_tokens == r.usage.total_tokens
+        new.append(nxt.usage.input_tokens - nxt.usage.input_tokens_details.cached_tokens)
+        r = nxt
+    assert r.usage.input_tokens > 40 * 15 and max(new) == min(new) <= count(server, "\n\nUSER:\nGo on.\n\nASSISTANT:\n")
+    again = client.responses.create(input="Go on.", previous_response_id=first.id, max_output_tokens=2, temperature=0)
+    assert again.usage.input_tokens_details.cached_tokens == first.usage.total_tokens  # spilled, then reloaded
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert any(ln.startswith("linstream_sessions_reloaded_total{") and float(ln.split()[-1]) > 0
+               for ln in metrics.splitlines())
+
+
+def test_two_responses_from_one_parent_are_two_forks(client):
+    parent = greedy(client, input="Once upon a time")
+    a = greedy(client, input="Tell me more.", previous_response_id=parent.id)
+    b = greedy(client, input="Tell me more.", previous_response_id=parent.id)
+    c = greedy(client, input="Something else entirely.", previous_response_id=parent.id)
+    assert a.output_text == b.output_text and a.id != b.id
+    assert {x.usage.input_tokens_details.cached_tokens for x in (a, b, c)} == {parent.usage.total_tokens}
+    assert greedy(client, input="And then?", previous_response_id=a.id).usage.input_tokens_details.cached_tokens \
+        == a.usage.total_tokens
+    assert client.responses.retrieve(parent.id).output_text == parent.output_text
+    got, errors = [], []
+
+    def branch():  # forks of one parent at the same time: each waits for the other's fork
+        try:
+            got.append(greedy(client, input="At once.", previous_response_id=parent.id).output_text)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=branch) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(got) == 4 and len(set(got)) == 1
+
+
+def test_stream_sends_the_documented_events_in_order(client):
+    parent = greedy(client, input="ROMEO:")
+    events = list(client.responses.create(model="linear", input="More.", previous_response_id=parent.id,
+                                          max_output_tokens=5, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    head = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    tail = ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.incomplete"]
+    assert kinds == head + ["response.output_text.delta"] * 5 + tail
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert events[0].response.id == final.id and events[0].response.status == "in_progress"
+    assert text == events[-4].text == final.output_text == client.responses.retrieve(final.id).output_text
+    assert text == greedy(client, input="More.", previous_response_id=parent.id, max_output_tokens=5).output_text[:len(text)]
+    done = list(client.responses.create(model="linear", input="x", stream=True, max_output_tokens=0))
+    assert done[-1].type == "response.incomplete" and done[-1].response.usage.output_tokens == 0
+
+
+def test_store_false_keeps_nothing(client, server):
+    before = sessions(server)
+    parent = greedy(client, input="Keep me.")
+    for previous in (None, parent.id):
+        r = greedy(client, input="Forget me.", store=False, previous_response_id=previous)
+        assert r.store is False and r.output_text
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(r.id)
+        with pytest.raises(openai.NotFoundError) as e:
+            greedy(client, input="x", previous_response_id=r.id)
+        assert e.value.param == "previous_response_id"
+    for _ in range(100):  # the temporary sessions are deleted once their generations are let go
+        if sessions(server) == before + 1:
+            break
+        time.sleep(0.05)
+    assert sessions(server) == before + 1  # the parent's
+
+
+def test_delete_removes_the_response_and_its_state(client, server):
+    before = sessions(server)
+    r = greedy(client, input="Short-lived.")
+    child = greedy(client, input="Still here.", previous_response_id=r.id)
+    assert sessions(server) == before + 2
+    assert client.responses.delete(r.id) is None
+    for call in (lambda: client.responses.retrieve(r.id), lambda: client.responses.delete(r.id),
+                 lambda: greedy(client, input="x", previous_response_id=r.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert sessions(server) == before + 1
+    assert greedy(client, input="On.", previous_response_id=child.id).output_text  # a fork keeps its own state
+
+
+def test_a_response_belongs_to_its_key(client, server):
+    r = greedy(client, input="Mine.")
+    other = openai.OpenAI(base_url=server.url + "/v1", api_key=OTHER, max_retries=0)
+    for call in (lambda: other.responses.retrieve(r.id), lambda: other.responses.delete(r.id),
+                 lambda: greedy(other, input="x", previous_response_id=r.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert client.responses.retrieve(r.id).id == r.id
+
+
+def test_input_items_render_as_chat_messages_and_the_rest_is_refused(client, server):
+    items = [{"role": "system", "content": "Be kind."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+             {"role": "user", "content": "Bye"}]
+    r = greedy(client, input=items)
+    assert r.usage.input_tokens == count(
+        server, "SYSTEM:\nBe kind.\n\nUSER:\nHi\n\nASSISTANT:\nHello.\n\nUSER:\nBye\n\nASSISTANT:\n")
+    refused = [({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                        {"type": "input_image", "image_url": "x"}]}]},
+                "input[0].content[1].type"),
+               ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0].type"),
+               ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+               ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format"),
+               ({"input": []}, "input"),
+               ({"input": "x", "temperature": -1}, "temperature")]
+    for kw, param in refused:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="linear", **kw)
+        assert e.value.param == param, (kw, e.value.body)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="linear", input="x", max_output_tokens=65)
+    assert e.value.code == "context_length_exceeded" and "maximum context length is" in e.value.message
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model="gpt-4o", input="x")
+    assert e.value.code == "model_not_found"
+
+
+def test_langchain_responses_mode(server):
+    lc = pytest.importorskip("langchain_openai")
+    chat = lc.ChatOpenAI(base_url=server.url + "/v1", api_key=KEY, model="linear", max_tokens=4, temperature=0,
+                         use_responses_api=True)
+    msg = chat.invoke([("system", "Be brief."), ("human", "Speak.")])
+    assert msg.text and msg.response_metadata["id"].startswith("resp_")
+    assert "".join(c.text for c in chat.stream("Speak.")) == chat.invoke("Speak.").text
+    chained = lc.ChatOpenAI(base_url=server.url + "/v1", api_key=KEY, model="linear", max_tokens=4, temperature=0,
+                            use_responses_api=True, use_previous_response_id=True)
+    first = chained.invoke("Speak.")
+    assert chained.invoke(["Speak.", first, "Again."]).text
+
+
+@pytest.mark.slow  # two more servers, one after the other
+def test_stored_responses_survive_a_restart_on_a_disk_store(tmp_path):
+    ckpt = str(make_checkpoint(tmp_path, "tiny-linear"))
+    env = {"LINSTREAM_STORE": f"disk:{tmp_path / 'store'}"}
+    srv = ServerProcess([ckpt], env)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        r = greedy(c, input="Remember this.")
+        follow = greedy(c, input="And this.", previous_response_id=r.id)
+    finally:
+        srv.stop()
+    srv = ServerProcess([ckpt], env)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        assert c.responses.retrieve(r.id).model_dump() == r.model_dump()
+        again = greedy(c, input="And this.", previous_response_id=r.id)
+        assert again.output_text == follow.output_text
+        assert again.usage.input_tokens_details.cached_tokens == r.usage.total_tokens
+    finally:
+        srv.stop()
