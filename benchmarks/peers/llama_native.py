@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import time
 from pathlib import Path
 
+from benchmarks.common import process_cpu
 from harness.local_server import free_port, stop_process, wait_until_up
 
 
@@ -17,15 +19,27 @@ def bench(llama_bench: Path, gguf: Path, *, prompt: int = 0, gen: int = 0, threa
     reports them (the mean over the repetitions and each repetition's), and the command."""
     args = [str(llama_bench), "-m", str(gguf), "-p", str(prompt), "-n", str(gen), "-t", str(threads),
             "-r", str(reps), "-o", "json"]
+    cpu0 = _children_cpu()
     p = subprocess.run(args, capture_output=True, text=True, timeout=600, check=False)
+    cpu = _children_cpu() - cpu0
     if p.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({p.returncode}): {p.stderr[-600:]}")
     (row,) = json.loads(p.stdout)
+    # llama-bench runs each test once untimed first (its warm-up), then `reps` times
+    tokens = (reps + 1) * (prompt + gen)
     return {"command": " ".join(["llama-bench", *args[1:2], gguf.name, *args[3:-2]]),
             "tokens_per_s": row["avg_ts"], "stddev_tokens_per_s": row["stddev_ts"],
+            "tokens_per_cpu_s": tokens / cpu if cpu else None,
             "samples_tokens_per_s": row.get("samples_ts"), "n_batch": row.get("n_batch"),
             "n_ubatch": row.get("n_ubatch"), "build_commit": row.get("build_commit"),
             "build_number": row.get("build_number"), "cpu_info": row.get("cpu_info")}
+
+
+def _children_cpu() -> float:
+    """CPU seconds used by this process's finished children (llama-bench's, with its model load:
+    a cost of milliseconds for this model)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def server_args(llama_server: Path, gguf: Path, port: int, slots: int, slot_ctx: int) -> list[str]:
@@ -54,19 +68,26 @@ class LlamaServer:
         self._log.close()
 
 
-def first_token_s(args: list[str], post, log: Path) -> float:
-    """Seconds from starting a server process (`args`) to the first streamed token of one request:
-    `post()` is retried while the server is not yet listening or not yet ready, and returns once a
-    token has arrived. The process is stopped afterwards."""
+def first_token_s(args: list[str], post, log: Path) -> dict:
+    """From starting a server process (`args`) to the first streamed token of one request, in
+    seconds: `up_s` when it first answers at all, `first_token_s` when a token has arrived, and
+    `cpu_s` the server's CPU time until then.
+    `post()` is retried while the server is not listening or not ready; it returns None when
+    nothing answered, False when the server answered without a token, True with one. The process
+    is stopped afterwards."""
     with open(log, "w") as out:
         t0 = time.perf_counter()
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        up = None
         try:
             while True:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{args[0]} exited with {proc.returncode}: {log.read_text()[-800:]}")
-                if post():
-                    return time.perf_counter() - t0
+                got = post()
+                if got is not None and up is None:
+                    up = time.perf_counter() - t0
+                if got:  # and the CPU time it took, all its threads (the client's not counted)
+                    return {"up_s": up, "first_token_s": time.perf_counter() - t0, "cpu_s": process_cpu(proc.pid)}
                 time.sleep(0.01)
                 if time.perf_counter() - t0 > 300:
                     raise RuntimeError(f"no first token from {args[0]} within 300 s")

@@ -69,21 +69,24 @@ def make_twin(workdir: Path) -> tuple[LM, Path, Path]:
 def linstream_decode(step: Stepper, twin: LM, threads: int, n: int = 128, reps: int = 5) -> dict:
     """tokens/s of `n` single-token steps from a fresh state, `reps` times (as llama-bench's tg)."""
     torch.set_num_threads(threads)
+    cpu0 = time.process_time()
     per = [n / sum(time_steps(step, twin.init_state(1), n, warmup=5)) for _ in range(reps)]
+    cpu = time.process_time() - cpu0
     torch.set_num_threads(1)
     return {"tokens_per_s": statistics.mean(per), "samples_tokens_per_s": per, "threads": threads,
-            "path": "compiled" if step.compiled is not None else "eager"}
+            "tokens_per_cpu_s": reps * (n + 5) / cpu, "path": "compiled" if step.compiled is not None else "eager"}
 
 
 def linstream_prefill(twin: LM, n: int = 2048, reps: int = 5) -> dict:
     ids = torch.randint(0, twin.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
     prefill(twin, ids[:SERVER_PREFILL_CHUNK], twin.init_state(1), chunk=SERVER_PREFILL_CHUNK)  # warm-up
-    per = []
+    per, cpu0 = [], time.process_time()
     for _ in range(reps):
         t0 = time.perf_counter()
         prefill(twin, ids, twin.init_state(1), chunk=SERVER_PREFILL_CHUNK)
         per.append(n / (time.perf_counter() - t0))
-    return {"tokens_per_s": statistics.mean(per), "samples_tokens_per_s": per, "chunk": SERVER_PREFILL_CHUNK}
+    return {"tokens_per_s": statistics.mean(per), "samples_tokens_per_s": per, "chunk": SERVER_PREFILL_CHUNK,
+            "tokens_per_cpu_s": reps * n / (time.process_time() - cpu0)}
 
 
 def in_process(twin: LM, bench: Path, gguf: Path, rounds: int) -> dict:
@@ -148,10 +151,10 @@ def over_http(a, twin: LM, ckpt: Path, gguf: Path, server: Path, workdir: Path) 
             for r in range(a.rounds):
                 print(f"  round {r + 1}: one stream, greedy, {a.tokens} tokens; then {a.levels} clients", flush=True)
                 one = res["single_stream"]
-                one["linstream"] += http_load.linstream_levels(lin.url, NAME, PROMPT, a.tokens, [1], a.duration,
-                                                               http_load.GREEDY)
-                one["llama_cpp"] += http_load.llama_levels(llama.url, PROMPT, a.tokens, [1], a.duration,
-                                                           http_load.GREEDY, extra)
+                one["linstream"].append(on_cpu(lin.proc.pid, lambda: http_load.linstream_levels(
+                    lin.url, NAME, PROMPT, a.tokens, [1], a.duration, http_load.GREEDY)[0]))
+                one["llama_cpp"].append(on_cpu(llama.proc.pid, lambda: http_load.llama_levels(
+                    llama.url, PROMPT, a.tokens, [1], a.duration, http_load.GREEDY, extra)[0]))
                 for c in a.levels:
                     res[f"clients_{c}"]["linstream"].append(on_cpu(lin.proc.pid, lambda c=c: http_load.linstream_levels(
                         lin.url, NAME, PROMPT, a.tokens, [c], a.duration)[0]))
@@ -168,14 +171,14 @@ def cold_start(a, ckpt: Path, gguf: Path, server: Path, workdir: Path) -> dict:
     extra = llama_bias(Tokenizer(ckpt / "tokenizer.json"), twin_gguf.EOS)
 
     def poster(url: str, body: dict):
-        def post() -> bool:
+        def post() -> bool | None:
             try:
                 with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
                     if r.status_code != 200:  # llama-server answers 503 while it loads the model
                         return False
                     return any(line.startswith("data:") and "choices" in line for line in r.iter_lines())
-            except httpx.TransportError:
-                return False
+            except httpx.TransportError:  # not listening yet
+                return None
         return post
 
     res = {"prompt_tokens": len(prompt), "linstream": [], "llama_cpp": []}
@@ -192,8 +195,8 @@ def cold_start(a, ckpt: Path, gguf: Path, server: Path, workdir: Path) -> dict:
         body = {"prompt": prompt, "max_tokens": 1, "stream": True, "temperature": 0, **extra}
         res["llama_cpp"].append(llama_native.first_token_s(args, poster(f"http://127.0.0.1:{port}", body),
                                                           workdir / "cold-llama.log"))
-        print(f"  cold start: linstream {res['linstream'][-1]:.2f} s, llama-server {res['llama_cpp'][-1]:.2f} s",
-              flush=True)
+        print("  cold start: " + ", ".join(f"{k} up {v[-1]['up_s']:.2f} s, first token {v[-1]['first_token_s']:.2f} s"
+                                           for k, v in res.items() if k != "prompt_tokens"), flush=True)
     return res
 
 

@@ -11,9 +11,11 @@ def _range(xs: list[float]) -> list[float]:
     return [min(xs), max(xs)]
 
 
-def _pair(out: dict, section: str, question: str, *path: str, higher: bool = True) -> dict | None:
-    """Best round and range of each system for one figure; None where the question was not asked."""
-    q = (out.get(section) or {}).get(question)
+def _pair(out: dict, section: str, question: str | None, *path: str, higher: bool = True) -> dict | None:
+    """Best round and range of each system for one figure (out[section][question][system][round]
+    then `path`; question None: out[section][system][round]); None where it was not asked."""
+    q = out.get(section) or {}
+    q = q if question is None else q.get(question)
     if not q or not q.get("linstream") or not q.get("llama_cpp"):
         return None
     res = {}
@@ -43,11 +45,18 @@ def rows(out: dict) -> list[dict]:
     for t in (1, 2):
         add(f"batch-1 decode, {t} thread{'s' * (t > 1)} (llama-bench tg128)", "tok/s",
             _pair(out, "in_process", f"decode_t{t}", "tokens_per_s"), "ms/token <= 1.0x llama-bench tg", faster)
+        add("  the same, tokens per CPU-second (process)", "tok/cpu-s",
+            _pair(out, "in_process", f"decode_t{t}", "tokens_per_cpu_s"))
     add("prefill, 2,048 tokens, 1 thread (llama-bench pp2048)", "tok/s",
         _pair(out, "in_process", "prefill", "tokens_per_s"), "tokens/s >= pp2048", faster)
+    add("  the same, tokens per CPU-second (process)", "tok/cpu-s", _pair(out, "in_process", "prefill", "tokens_per_cpu_s"))
     add("one SSE stream, median gap", "ms", _pair(out, "http", "single_stream", "itl_ms", "p50", higher=False),
         "<= llama-server's", lambda p: p["linstream"]["best"] <= p["llama_cpp"]["best"])
     add("one SSE stream, p99 gap", "ms", _pair(out, "http", "single_stream", "itl_ms", "p99", higher=False))
+    add("one SSE stream, mean time per token (first event to last)", "ms",
+        _pair(out, "http", "single_stream", "gap_mean_ms", higher=False))
+    add("one SSE stream, tokens per server CPU-second", "tok/cpu-s",
+        _pair(out, "http", "single_stream", "tokens_per_server_cpu_s"))
     for c in (out.get("http") or {}).get("levels", []):
         tps = _pair(out, "http", f"clients_{c}", "tokens_per_s")
         p50 = _pair(out, "http", f"clients_{c}", "itl_ms", "p50", higher=False)
@@ -62,11 +71,11 @@ def rows(out: dict) -> list[dict]:
         add(f"{c} clients, p99 gap", "ms", p99)
         add(f"{c} clients, tokens per server CPU-second", "tok/cpu-s",
             _pair(out, "http", f"clients_{c}", "tokens_per_server_cpu_s"))
-    cold = out.get("cold_start")
-    if cold and cold["linstream"] and cold["llama_cpp"]:
-        pair = {s: {"best": min(cold[s]), "range": _range(cold[s]), "rounds": cold[s]} for s in ("linstream", "llama_cpp")}
-        add("cold start: process start -> first token of a 16-token prompt", "s", pair, "<= 2x llama-server's",
-            lambda p: p["linstream"]["best"] <= 2 * p["llama_cpp"]["best"])
+    add("cold start: process start -> answering HTTP", "s", _pair(out, "cold_start", None, "up_s", higher=False))
+    add("cold start: process start -> first token of a 16-token prompt", "s",
+        _pair(out, "cold_start", None, "first_token_s", higher=False), "<= 2x llama-server's",
+        lambda p: p["linstream"]["best"] <= 2 * p["llama_cpp"]["best"])
+    add("  the same, the server's CPU time", "cpu-s", _pair(out, "cold_start", None, "cpu_s", higher=False))
     return table
 
 
