@@ -91,6 +91,7 @@ class Function:
     name: str
     description: str | None
     parameters: dict
+    index: int = 0  # in the request's tools
 
 
 @dataclass
@@ -109,7 +110,8 @@ class Tools:
 
     def constraint(self) -> Constraint | None:
         if self.mode == "named":
-            return Constraint("json_schema", json.dumps(self.named.parameters, ensure_ascii=False), "tools")
+            return Constraint("json_schema", json.dumps(self.named.parameters, ensure_ascii=False),
+                              f"tools[{self.named.index}].function.parameters")
         if self.mode == "required":
             calls = [{"type": "object", "properties": {"name": {"const": f.name}, "parameters": f.parameters},
                       "required": ["name", "parameters"], "additionalProperties": False} for f in self.functions]
@@ -162,7 +164,7 @@ def _function(t: dict, i: int) -> Function:
     if not isinstance(params, dict):
         raise _bad(f"{param}.function.parameters: a JSON schema object", f"{param}.function.parameters")
     desc = f.get("description")
-    return Function(name, desc if isinstance(desc, str) else None, params)
+    return Function(name, desc if isinstance(desc, str) else None, params, i)
 
 
 def check(req: OpenAISampling, tools: Tools | None) -> None:

@@ -159,6 +159,8 @@ async def test_constrained_and_free_rows_give_the_same_tokens_alone_and_batched(
      "tools[0].function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools[1].function.parameters"),
 ])
 async def test_what_cannot_be_served_is_a_400_naming_the_field(client, body, param):
     r = await client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 5, **body})
