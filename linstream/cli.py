@@ -51,6 +51,9 @@ def serve(
         help="require this bearer key (repeatable) (default none: no key needed; env LINSTREAM_API_KEYS)")] = None,
     api_key_file: Annotated[Optional[str], typer.Option(
         help="file with one key per line (default none; env LINSTREAM_API_KEY_FILE)")] = None,
+    metrics_key: Annotated[Optional[str], typer.Option(
+        help="the operator's bearer key for /metrics, which no API key opens (default none: with API keys set, "
+             "/metrics is refused; env LINSTREAM_METRICS_KEY)")] = None,
     max_connections: Annotated[Optional[int], typer.Option(
         help=f"connections open at once; more get 503 {_default('max_connections')}")] = None,
     compile: Annotated[Optional[str], typer.Option(
@@ -96,7 +99,8 @@ def serve(
     if step_runtime not in (None, "aoti", "dynamo"):
         raise typer.BadParameter("use aoti or dynamo", param_hint="--step-runtime")
     given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
-             "api_keys": api_key, "api_key_file": api_key_file, "store": store, "session_ttl": session_ttl,
+             "api_keys": api_key, "api_key_file": api_key_file, "metrics_key": metrics_key, "store": store,
+             "session_ttl": session_ttl,
              "max_connections": max_connections, "names": name, "device": device, "dtype": dtype, "weights": weights,
              "compile": compile, "gemm": gemm, "step_runtime": step_runtime,
              "prefix_cache_bytes": prefix_cache_bytes, "prefix_cache_shared": prefix_cache_shared,

@@ -1,5 +1,7 @@
 """API keys: `Authorization: Bearer KEY`, checked in constant time against every configured key.
 
+/metrics, which counts every tenant's work, takes an operator key of its own (`Keys.operator`).
+
 A session or snapshot belongs to the key that made it (its `owner`, a hash of the key, never the
 key itself); any other key is told 404, exactly as for an id that does not exist.
 """
@@ -47,6 +49,19 @@ class Keys:
             raise APIError(401, "unauthorized", "a valid API key is required: Authorization: Bearer KEY",
                            headers={"WWW-Authenticate": "Bearer"})
         return key_id(given.decode())
+
+    def operator(self, authorization: str | None, key: str) -> None:
+        """For /metrics, which tells of every tenant's work: the operator's `key` (settings.metrics_key),
+        never a tenant's. Open when neither is set; 403 when tenants' keys are set and no operator key."""
+        if not key:
+            if self.keys:
+                raise APIError(403, "forbidden", "/metrics tells of every key's work: it needs the operator's key, "
+                               "and none is set (serve --metrics-key, LINSTREAM_METRICS_KEY); see /v1/usage for your own")
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.encode(), token.strip().encode()):
+            raise APIError(401, "unauthorized", "/metrics needs the operator's key: Authorization: Bearer KEY",
+                           headers={"WWW-Authenticate": "Bearer"})
 
 
 async def caller(request: Request) -> str:  # async: a sync dependency costs a worker-thread hop per request

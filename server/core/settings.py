@@ -120,6 +120,9 @@ class Settings(BaseSettings):
     metrics_public: bool = False  # serve /metrics without a key
     docs_public: bool = False  # serve /docs, /redoc and /openapi.json without a key
 
+    # the operator's key for /metrics, which tells of every tenant's work; no API key opens it.
+    # Unset while api_keys are set: /metrics is refused (403), unless metrics_public
+    metrics_key: str = ""
     @model_validator(mode="after")
     def _derived(self) -> "Settings":
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):

@@ -34,6 +34,7 @@ from linstream.model.sampling import SamplingParams
 from ..core.auth import Keys, load_keys
 from ..core.errors import APIError, not_found
 from ..core.metrics import Metrics
+from ..core.usage import Usage
 from ..core.settings import Settings
 from ..engine.admission import Admission
 from ..engine.engine import Engine
@@ -59,6 +60,7 @@ class Runtime:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.metrics = Metrics()
+        self.usage = Usage()  # per key, for /v1/usage
         self.store = open_store(settings.store, settings.store_min_free)
         self.keys = Keys(load_keys(settings.api_keys, settings.api_key_file))
         self.leases = Leases(settings.store, settings.replica_lease, settings.replica_name, settings.replica_url,
@@ -232,6 +234,7 @@ class Runtime:
             raise
         s.tokens.extend(ids)
         self.metrics.prompt_tokens.labels(s.model).inc(len(ids))
+        self.usage.add(s.owner, prompt_tokens=len(ids))
         if ids:
             await self.reuse.cache_prompt(s, eng)
         ms = 1000 * (time.perf_counter() - t0)
@@ -266,6 +269,7 @@ class Runtime:
 
         def finished(j: Job):  # engine thread
             self.admission.closed(s.owner, j.emitted)
+            self.usage.add(s.owner, completion_tokens=j.emitted, generations=1)
             if not s.ephemeral:  # the row is final: read it now, saving persist a round trip
                 j.state = eng.read(j.slot)
         job = Job(s.slot, params, asyncio.get_running_loop(), logprobs, finished, owner=s.owner, matcher=matcher)

@@ -18,7 +18,7 @@ async def client(tmp_path_factory):
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt"), "tiny-linear")
     keyfile = tmp_path_factory.mktemp("keys") / "keys"
     keyfile.write_text("# test keys\nkey-b\n")
-    app = create_app(Settings(models=[str(ckpt)], api_keys=["key-a"], api_key_file=keyfile))
+    app = create_app(Settings(models=[str(ckpt)], api_keys=["key-a"], api_key_file=keyfile, metrics_key="ops"))
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             yield c
@@ -31,7 +31,8 @@ async def test_key_required(client):
         assert r.status_code == 401 and r.json()["error"]["type"] == "unauthorized"
         assert r.headers["www-authenticate"] == "Bearer"
     assert (await client.get("/metrics")).status_code == 401
-    assert (await client.get("/metrics", headers=A)).status_code == 200
+    assert (await client.get("/metrics", headers=A)).status_code == 401  # a tenant's key: the operator's only
+    assert (await client.get("/metrics", headers={"Authorization": "Bearer ops"})).status_code == 200
     assert (await client.get("/v1/models")).status_code == 401
 
 

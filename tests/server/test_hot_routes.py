@@ -22,7 +22,7 @@ VIA_HOT = {"content-type": "application/json"}
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(tmp_path_factory):
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt"), "tiny-linear")
-    app = create_app(Settings(models=[str(ckpt)], store="memory", api_keys=[KEY], max_new_tokens=64))
+    app = create_app(Settings(models=[str(ckpt)], store="memory", api_keys=[KEY], max_new_tokens=64, metrics_key=KEY))
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
             yield c

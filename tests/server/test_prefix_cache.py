@@ -30,7 +30,7 @@ def checkpoints(tmp_path_factory):
 
 async def _app(checkpoints, **kw):
     app = create_app(Settings(models=checkpoints, store="memory", api_keys=["key-a", "key-b"], max_sessions=8,
-                              max_kv_sessions=4, **kw))
+                              max_kv_sessions=4, metrics_key="key-a", **kw))
     ctx = app.router.lifespan_context(app)
     await ctx.__aenter__()
     return app, ctx, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")

@@ -33,9 +33,17 @@ async def healthz(rt: RT):
 @router.get("/metrics")
 async def metrics(request: Request, rt: RT):
     if not rt.settings.metrics_public:
-        rt.keys.owner(request.headers.get("authorization"))
+        rt.keys.operator(request.headers.get("authorization"), rt.settings.metrics_key)
     rt.refresh_gauges()
     return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/usage")
+async def usage(rt: RT, owner: Owner):
+    """The caller's own use of the server since it started, its key's and no other's (/metrics,
+    which tells of every key's, is the operator's)."""
+    return {"object": "usage", **rt.usage.of(owner), "generating": rt.admission.streams[owner],
+            "sessions": len(rt.owned(owner))}
 
 
 @router.post("/tokenize")
