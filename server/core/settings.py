@@ -118,11 +118,11 @@ class Settings(BaseSettings):
     api_keys: list[str] = Field(default_factory=list)  # when set, every route but /healthz needs one
     api_key_file: Path | None = None  # one key per line; '#' starts a comment
     metrics_public: bool = False  # serve /metrics without a key
-    docs_public: bool = False  # serve /docs, /redoc and /openapi.json without a key
-
     # the operator's key for /metrics, which tells of every tenant's work; no API key opens it.
     # Unset while api_keys are set: /metrics is refused (403), unless metrics_public
     metrics_key: str = ""
+    docs_public: bool = False  # serve /docs, /redoc and /openapi.json without a key
+
     @model_validator(mode="after")
     def _derived(self) -> "Settings":
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
