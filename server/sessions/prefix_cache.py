@@ -24,9 +24,11 @@ Redis store each one kept is also written to a tier all replicas share (prefix_t
 Tokenizing a re-sent transcript is O(context) too: the state kept for a chat turn as its client
 re-sends it also keeps the text it stands for and that text's ids, so the next request tokenizes
 only what follows (`tokens`). That is exact where the text kept ends in whitespace and the new
-text goes on with a letter (the next message's role name): byte-level BPE never merges across that
-point (its pre-tokenizer splits there), so the ids of the whole are the kept ids followed by the
-ids of the rest.
+text goes on with a letter (the next message's role name) and the tokenizer provably splits there
+(`splits_at_newlines`: byte-level BPE with GPT-2's pattern, no normalizer, no prefix space), so
+the ids of the whole are the kept ids followed by the ids of the rest. With any other tokenizer no
+text is kept: prompts are tokenized whole and states are found by their ids alone, which are
+exact by construction (a cached state has consumed exactly the ids it is keyed by).
 
 Only the event loop touches the cache; the states in it are never stepped (a session starts from
 a copy: Engine.alloc assigns it into the slot pool).
@@ -34,6 +36,7 @@ a copy: Engine.alloc assigns it into the slot pool).
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
@@ -191,6 +194,23 @@ def as_resent(text: str, stops: list[str]) -> str:
     sent, though the token carrying it was consumed."""
     cut = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return text[:min(cut)] if cut else text
+
+
+def splits_at_newlines(tok) -> bool:
+    """Does this tokenizer provably split a text after a newline that follows a non-space and
+    before the non-space that comes next (or after a run of newlines before a letter), so that
+    the ids of the whole are the ids of either side tokenized alone? So it is for byte-level BPE
+    with GPT-2's split pattern and nothing else in front: that pattern never joins a newline to
+    what follows it (only a space may lead a word) and BPE never merges across its pieces. A
+    normalizer may rewrite text across the point, a prefix space is added to the right side
+    alone, another pattern (or none) may merge across it, and an added token holding whitespace
+    may span it: for those tokenizers every prompt is tokenized whole, and a cached prefix is
+    found by its ids alone."""
+    cfg = json.loads(tok.hf.to_str())
+    pre = cfg.get("pre_tokenizer") or {}
+    added = [t.get("content", "") for t in cfg.get("added_tokens") or []]
+    return (cfg.get("normalizer") is None and pre.get("type") == "ByteLevel" and not pre.get("add_prefix_space")
+            and pre.get("use_regex", True) and not any(c.isspace() for a in added for c in a))
 
 
 def splits_between(left: str, right: str) -> bool:

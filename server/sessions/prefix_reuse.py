@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import logging
 
-from linstream.model.generate import prefill
-
 from ..core.metrics import Metrics
 from ..core.settings import Settings
 from ..engine.engine import Engine
 from ..engine.jobs import Job
 from ..engine.prompts import check_length, encode, tokens_of
-from .prefix_cache import NEXT_MESSAGE, PrefixCache, Turn, as_resent, splits_between
+from .prefix_cache import NEXT_MESSAGE, PrefixCache, Turn, as_resent, splits_at_newlines, splits_between
 from .prefix_tier import longest
 from .residency import Residency
 from .session import Session
@@ -26,6 +24,14 @@ class PrefixReuse:
         self.settings, self.held = settings, held
         self.prefixes = PrefixCache(settings.prefix_cache_bytes, metrics)
         self.turns: dict[str, Turn] = {}  # temporary session id -> what its request caches (start)
+        self._exact: dict[str, bool] = {}  # model -> splits_at_newlines(its tokenizer)
+
+    def exact(self, eng: Engine) -> bool:
+        """Does this model's tokenizer provably split a transcript where `tokens` and
+        `splits_between` say (prefix_cache.splits_at_newlines)? Else prompts are tokenized whole."""
+        if eng.name not in self._exact:
+            self._exact[eng.name] = splits_at_newlines(eng.tok)
+        return self._exact[eng.name]
 
     def scope(self, owner: str) -> str:
         return "" if self.settings.prefix_cache_shared else owner
@@ -34,6 +40,8 @@ class PrefixReuse:
         """`tokens_of(text)`, tokenizing only what follows the longest cached transcript that
         text goes on from (prefix_cache.py, `PrefixCache.tokens`)."""
         cfg = self.settings
+        if not self.exact(eng):  # a cached transcript's ids are not provably those of text's head
+            return await tokens_of(eng, text, None, cfg)
         data = text.encode() if len(text) <= cfg.max_prompt_bytes else b""
         k, head = self.prefixes.tokens(eng.name, self.scope(owner), data) if data else (0, [])
         if not k or len(data) > cfg.max_prompt_bytes:
@@ -67,32 +75,42 @@ class PrefixReuse:
         self.prefixes.insert(s.model, turn.scope, s.tokens, turn.state)
 
     async def cache_turn(self, s: Session, eng: Engine, job: Job) -> None:
-        """Cache the state after the completion as generated, and after the completion as its
-        client re-sends it: the received text plus `follow`, tokenized as the next request will
-        be (which may merge or split tokens differently), prefilled on a copy from the state
-        that matches (the completion's end, or else the prompt's)."""
+        """Cache the state after the completion as generated (the engine has it), and after the
+        completion as its client re-sends it: the received text plus `follow`, tokenized as the
+        next request will be. Where those ids go on from the completion's own, the second is the
+        first pushed on by `follow`'s few tokens, on this temporary session's slot like any push.
+        Where they do not (a sampled token sequence that is not the tokenizer's own, a stop string
+        cut off), it is not made: re-prefilling a whole completion would cost the engine as much
+        as the next request's prompt does, for each of n choices of which at most one is
+        continued; the next request, if any, prefills that part with its prompt instead."""
         turn = self.turns.pop(s.id)
         try:
             end = await eng.call(lambda: eng.read(s.slot))
             self.prefixes.insert(s.model, turn.scope, s.tokens, end)
-            if turn.state is None:
-                return
             made = s.tokens[len(turn.prompt):]
             text = as_resent(eng.tok.decode(made), job.params.stop if job.finish == "stop" else [])
             # the next request goes on after `follow`: tokenized alone, its trailing whitespace
             # would merge into one token where the next request's text splits it
             probe = NEXT_MESSAGE if turn.follow else ""
-            tail = await encode(eng, text + turn.follow + probe)
+            exact = self.exact(eng)
+            if exact:  # the transcript's ids are the prompt's, then these (where splits_between holds)
+                tail = await encode(eng, text + turn.follow + probe)
+            elif turn.text is not None:  # only the whole transcript's ids are certain
+                whole = await encode(eng, turn.text + text + turn.follow + probe)
+                if whole[:len(turn.prompt)] != turn.prompt:
+                    return
+                tail = whole[len(turn.prompt):]
+            else:
+                return
             if probe:
                 if not tail or eng.tok.decode(tail[-1:]) != probe:
                     return
                 tail = tail[:-1]
-            base, rest = (end, tail[len(made):]) if tail[:len(made)] == made else (turn.state, tail)
-            if rest:
-                state = await eng.call(lambda: prefill(eng.model, rest, base.clone(), eng.prefill_chunk))
-                sure = probe and turn.text is not None and splits_between(turn.text, text)
-                resent = (turn.text + text + turn.follow).encode() if sure else None
-                if not state.nonfinite():
-                    self.prefixes.insert(s.model, turn.scope, turn.prompt + tail, state, resent)
+            if len(tail) <= len(made) or tail[:len(made)] != made or not s.ephemeral:
+                return
+            pushed = await eng.prefill(s.slot, tail[len(made):], read=True, owner=s.owner)
+            sure = exact and probe and turn.text is not None and splits_between(turn.text, text)
+            resent = (turn.text + text + turn.follow).encode() if sure else None
+            self.prefixes.insert(s.model, turn.scope, turn.prompt + tail, pushed.state, resent)
         except Exception:  # a state not cached costs the next request time, never its answer
             log.exception("session %s: caching its prefix states failed", s.id)
