@@ -2,6 +2,7 @@
 `client.responses`: a stored response is its session's state at the end, so a response that
 follows it (previous_response_id) prefills only its own input, continues exactly as the same turns
 pushed to one session do, and two responses from one parent are two forks."""
+import json
 import threading
 import time
 
@@ -20,7 +21,8 @@ def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
     # 8 slots: a chain longer than that spills its older responses' states to the store
     srv = ServerProcess([str(make_checkpoint(d, "tiny-linear"))], {"LINSTREAM_MAX_NEW_TOKENS": "64",
-                                                                   "LINSTREAM_MAX_SESSIONS": "8"},
+                                                                   "LINSTREAM_MAX_SESSIONS": "8",
+                                                                   "LINSTREAM_METRICS_PUBLIC": "true"},
                         "--api-key", KEY, "--api-key", OTHER)
     yield srv
     srv.stop()
@@ -88,9 +90,9 @@ def test_a_long_chain_prefills_only_each_turns_new_tokens(client, server):
     assert r.usage.input_tokens > 40 * 15 and max(new) == min(new) <= count(server, "\n\nUSER:\nGo on.\n\nASSISTANT:\n")
     again = client.responses.create(input="Go on.", previous_response_id=first.id, max_output_tokens=2, temperature=0)
     assert again.usage.input_tokens_details.cached_tokens == first.usage.total_tokens  # spilled, then reloaded
-    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    metrics = httpx.get(server.url + "/metrics").text
     assert any(ln.startswith("linstream_sessions_reloaded_total{") and float(ln.split()[-1]) > 0
-               for ln in metrics.splitlines())
+               for ln in metrics.splitlines()), metrics[:3000]
 
 
 def test_two_responses_from_one_parent_are_two_forks(client):
@@ -239,3 +241,22 @@ def test_stored_responses_survive_a_restart_on_a_disk_store(tmp_path):
         assert again.usage.input_tokens_details.cached_tokens == r.usage.total_tokens
     finally:
         srv.stop()
+
+
+def test_a_stream_left_early_keeps_nothing(client, server):
+    """A client that leaves before the end: no record, and its session is deleted."""
+    before = sessions(server)
+    body = {"model": "linear", "input": "Go.", "max_output_tokens": 60, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        rid = next(json.loads(ln[6:]) for ln in lines if ln.startswith("data: "))["response"]["id"]
+        for ln in lines:
+            if "output_text.delta" in ln:
+                break
+    for _ in range(100):
+        if sessions(server) == before:
+            break
+        time.sleep(0.05)
+    assert sessions(server) == before
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(rid)
