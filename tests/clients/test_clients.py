@@ -9,7 +9,7 @@ import sys
 import pytest
 from linstream.clients.sdk import AsyncClient, Client, NotFound, SessionBusy, SnapshotRejected
 
-from ..helpers import ROOT, ServerProcess, make_checkpoint
+from tests.helpers import ROOT, ServerProcess, make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import math
 import httpx
 import pytest
 
-from ..helpers import ROOT, ServerProcess, make_checkpoint
+from tests.helpers import ROOT, ServerProcess, make_checkpoint
 
 pytest.importorskip("lm_eval")
 

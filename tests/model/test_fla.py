@@ -229,8 +229,8 @@ async def test_served_with_sessions_fork_and_restore():
 @pytest.mark.slow
 @torch.no_grad()
 @pytest.mark.parametrize("name", ["rwkv7-options", "rwkv6-options"])
-def test_rwkv_compiled_step_equals_eager(name, tmp_path):
-    """The compiled decode step (model/compiled.py), as the server builds it (ahead of time, our
+def test_rwkv_compiled_step_equals_eager(name, compiled):
+    """The compiled decode step (model/compiled/), as the server builds it (ahead of time, our
     matmul where it builds here), through RWKV-7's block-to-block carry and RWKV-6's per-mix
     up-projection (an einsum over a projection's weight eagerly, our kernel per mix compiled): its
     logits and states from a carried state agree with the eager step (one compile each, ~40-70 s)."""
@@ -243,7 +243,8 @@ def test_rwkv_compiled_step_equals_eager(name, tmp_path):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        stepper = Stepper(model, "on", cache_dir=tmp_path, background=False)
+        compiled("fla:" + name)  # built once for the run (tests/compiled_steps.py): this one loads it
+        stepper = Stepper(model, "on", background=False)
         assert stepper.wait(), "the step did not compile"
         assert (stepper.kernels, stepper.runtime) == ("own" if unavailable() is None else "packed", "aoti")
         ids = torch.cat([tokens, tokens.flip(1)])  # (2, T)

@@ -83,13 +83,14 @@ async def test_golden_served_by_the_openai_routes(client):
 
 
 @pytest.mark.slow
-def test_golden_served_over_a_socket_by_the_compiled_step():
+def test_golden_served_over_a_socket_by_the_compiled_step(compiled):
     """As deployed: a `linstream serve` process, its decode step compiled, streaming over a socket."""
     import time
 
     from httpx_sse import connect_sse
 
-    from ..helpers import ServerProcess
+    from tests.helpers import ServerProcess
+    compiled("shipped:linear")  # built once for the run (tests/compiled_steps.py): the server loads it
     srv = ServerProcess([str(CKPT)], {"LINSTREAM_COMPILE": "on"})
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as c:

@@ -10,7 +10,7 @@ import torch
 from linstream.model.hf import CheckpointError, load_checkpoint
 from linstream.model.snapshot import state_from_bytes, state_to_bytes
 
-from ..helpers import TOKENIZER
+from tests.helpers import TOKENIZER
 
 if os.environ.get("CI"):
     import transformers
@@ -338,7 +338,7 @@ def test_cli_serves_a_bfloat16_checkpoint_under_its_given_name(hf_dirs):
     greedy generation, and a restored snapshot that continues exactly."""
     import httpx
 
-    from ..helpers import ServerProcess
+    from tests.helpers import ServerProcess
     first, _, _ = hf_dirs
     srv = ServerProcess([str(first)], None, "--name", "tiny", "--dtype", "bfloat16", "--device", "cpu")
     try:
@@ -356,7 +356,7 @@ def test_cli_serves_a_bfloat16_checkpoint_under_its_given_name(hf_dirs):
         srv.stop()
 
 
-@pytest.mark.slow
+@pytest.mark.matrix  # imported weights x the compiled mamba step (tests/model/compiled/ builds mamba's)
 @pytest.mark.parametrize("arch", ["mamba"])  # the family most checkpoints are (one build: ~25 s)
 def test_compiled_step_matches_transformers(arch, tmp_path):
     """A checkpoint's decode step compiled as the server runs it (our matmul for its projections,

@@ -6,7 +6,7 @@ from linstream.model.mixers.performer import orthogonal_features
 from linstream.model.mixers.retnet import row_scale
 from linstream.model.ops.naive import decayed_attn_naive
 
-from ..conftest import random_state
+from tests.conftest import random_state
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 

@@ -20,7 +20,7 @@ from linstream.model.snapshot import (
 )
 from safetensors.torch import save as st_save
 
-from ..conftest import TINY
+from tests.conftest import TINY
 
 
 def greedy(model, state, n):

@@ -8,13 +8,15 @@ import sys
 import pytest
 from linstream.server.core.heap import Heap
 
+from tests.helpers import ROOT
+
 PROBE = ("import json; from linstream.server.core.heap import Heap; h = Heap(); before = h.stats(); x = bytearray(64 << 20); "
          "mid = h.stats(); del x; h.trim(); print(json.dumps([h.kind, before, mid, h.stats()]))")
 
 
 def probe(env=None):
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True,
-                         env={**os.environ, **(env or {})}, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                         env={**os.environ, **(env or {})}, cwd=ROOT)
     return json.loads(out.stdout)
 
 
@@ -35,7 +37,7 @@ def test_preloaded_jemalloc_is_read_through_mallctl():
 def test_serve_allocator_jemalloc_runs_the_server_under_it(tmp_path):
     import httpx
 
-    from ..helpers import ServerProcess, make_checkpoint
+    from tests.helpers import ServerProcess, make_checkpoint
     srv = ServerProcess([str(make_checkpoint(tmp_path, "tiny-linear"))], {"LINSTREAM_STORE": "memory"},
                         "--allocator", "jemalloc")
     try:

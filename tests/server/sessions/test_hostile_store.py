@@ -21,7 +21,7 @@ from linstream.server.sessions.store import GROWING_HEAD, DiskStore
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..helpers import ServerProcess, greedy_from_blob, make_checkpoint
+from tests.helpers import ServerProcess, greedy_from_blob, make_checkpoint
 
 A, B = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
 KEYS = {"LINSTREAM_API_KEYS": json.dumps(["key-a", "key-b"])}

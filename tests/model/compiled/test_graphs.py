@@ -1,4 +1,4 @@
-"""The GPU decode step (model/graphs.py): buckets, static buffers, copy-in and copy-out, held to
+"""The GPU decode step (model/compiled/graphs.py): buckets, static buffers, copy-in and copy-out, held to
 the eager step. On the CPU the same path runs with a plain call in place of the graph replay; the
 capture itself runs where a CUDA device is present."""
 import pytest

@@ -14,7 +14,7 @@ from linstream.model.snapshot import _digest
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..helpers import ServerProcess, make_checkpoint
+from tests.helpers import ServerProcess, make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from linstream.model.sampling import SamplingParams
 from linstream.model.tokenizer import Tokenizer
 from linstream.server.engine.engine import Engine, Job
 
-from ..model.test_golden import CKPT, GOLDEN, GOLDEN_IDS, PROMPT
-from .test_engine import Tok
+from tests.model.test_golden import CKPT, GOLDEN, GOLDEN_IDS, PROMPT
+from tests.server.engine.common import Tok
 
 CHUNK = 64  # the engine's prefill chunk, and Generation's: one prefill pass either way
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 
-from ..helpers import ServerProcess, make_checkpoint
+from tests.helpers import ServerProcess, make_checkpoint
 
 PROMPT = "ROMEO:\nBut soft, what light"
 

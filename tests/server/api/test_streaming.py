@@ -1,4 +1,4 @@
-"""The SSE response's per-send timeout (server/streaming.py `_Stream`): a send the client does not
+"""The SSE response's per-send timeout (server/api/streaming.py `_Stream`): a send the client does not
 take within `send_timeout` seconds ends the stream with sse-starlette's SendTimeoutError; one it
 takes goes through untouched."""
 import asyncio

@@ -1,8 +1,7 @@
-"""int8 weight-only projections (model/lowp.py): close to float32 (kernel, step, a shipped model's
+"""int8 weight-only projections (model/compiled/lowp.py): close to float32 (kernel, step, a shipped model's
 bits per byte), the state and the small projections still float32, the compiled step's rows
 bit-identical whatever the batch, and the loading and settings that reach it."""
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +19,10 @@ from linstream.model.state import State
 from linstream.model.tokenizer import Tokenizer
 from torch import nn
 
-from ..conftest import random_state
+from tests.conftest import random_state
+from tests.helpers import ROOT
 
-README = Path(__file__).parent.parent.parent / "README.md"
+README = ROOT / "README.md"
 _steppers: dict[str, Stepper] = {}
 
 
@@ -103,11 +103,18 @@ def test_a_shipped_model_loses_under_a_hundredth_of_a_bit_per_byte():
 
 
 @pytest.mark.skipif(compiler_missing() is not None, reason="no C++ compiler for inductor")
-@pytest.mark.parametrize("preset,weights", [("tiny-linear", "int8"), ("tiny-mamba", "int8"),
-                                            ("tiny-linear", "bfloat16"), ("tiny-mamba", "bfloat16")])
-def test_compiled_lowp_rows_do_not_depend_on_the_batch(preset, weights):
-    """As tests/model/test_compiled.py for float32: the int8 and bfloat16 kernels treat each row alone."""
-    st = Stepper(to_weights(small(preset), weights), "on", background=False)
+@pytest.mark.parametrize("preset,weights", [("tiny-lowp", "int8 and bfloat16")]
+                         + [pytest.param(p, w, marks=pytest.mark.matrix)
+                            for p, w in [("tiny-linear", "int8"), ("tiny-mamba", "int8"),
+                                         ("tiny-linear", "bfloat16"), ("tiny-mamba", "bfloat16")]])
+def test_compiled_lowp_rows_do_not_depend_on_the_batch(preset, weights, compiled):
+    """As tests/model/compiled/test_stepper.py for float32: the int8 and bfloat16 kernels treat
+    each row alone (tiny-lowp, tests/helpers.py: one block of each, built once for the run)."""
+    if preset == "tiny-lowp":
+        st = compiled(preset)
+        assert {Int8Linear, BF16Linear} <= {type(m) for m in st.model.modules()}
+    else:
+        st = Stepper(to_weights(small(preset), weights), "on", background=False)
     # our kernel takes bfloat16 weights and the float32 projections int8 leaves; inductor's
     # template runs them where our kernel cannot be built
     kernels = "own" if any(own_kind(m) for m in st.model.modules()) and unavailable() is None else "packed"

@@ -15,8 +15,8 @@ from linstream.server.app import create_app
 from linstream.server.core.settings import Settings
 from linstream.server.engine.engine import Engine, Job
 
-from ..helpers import make_checkpoint
-from .test_engine import Tok, assert_state_of
+from tests.helpers import make_checkpoint
+from tests.server.engine.common import Tok, assert_state_of, deliver
 
 OTHERS = [([1, 2, 3, 4, 5], 11), ([9, 8, 7], None), ([5, 5, 6, 1, 2, 3, 9], 23), ([30, 31], 5)]  # (prompt, seed)
 FAULTY = list(range(10, 50))  # longer than any other row ever gets: its positions are its own
@@ -50,21 +50,6 @@ async def run(model, lookahead: bool, with_faulty: bool, inject=None, faulty_kw:
         return out
     finally:
         eng.stop()
-
-
-async def deliver(eng: Engine, job: Job) -> list[int]:
-    """What the server's handler does: hand each token over, tell the engine; after a failure
-    hand over no more, and drop what the state could not take (server.streaming, runtime)."""
-    toks = []
-    while True:
-        kind, ev = await asyncio.wait_for(job.events.get(), 20)
-        if kind == "done":
-            return toks[:job.consumed] if job.finish == "error" else toks
-        if job.finish == "error" and job.yielded >= job.consumed:
-            continue
-        toks.append(ev["token"])
-        job.yielded += 1
-        eng.wake()
 
 
 def faulty_rows(state) -> list[int]:

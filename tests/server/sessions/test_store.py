@@ -13,7 +13,7 @@ from linstream.server.app import create_app
 from linstream.server.core.settings import Settings
 from linstream.server.sessions.store import DiskStore, MemoryStore, RedisStore, StoreError
 
-from ..helpers import ServerProcess, greedy_from_blob, make_checkpoint
+from tests.helpers import ServerProcess, greedy_from_blob, make_checkpoint
 
 REDIS = os.environ.get("LINSTREAM_TEST_REDIS")
 

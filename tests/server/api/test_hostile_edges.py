@@ -24,7 +24,7 @@ from linstream.server.core.settings import Settings
 
 from harness.local_server import free_port
 
-from ..helpers import ServerProcess, make_checkpoint
+from tests.helpers import ServerProcess, make_checkpoint
 
 A, B = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
 MAX_SESSIONS, HEADER_TIMEOUT = 4, 3

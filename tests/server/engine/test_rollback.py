@@ -1,18 +1,17 @@
-"""The engine on its own: a stream abandoned with tokens emitted but not delivered leaves the
-state of exactly the delivered history, with and without lookahead."""
+"""A step's rollback (server/engine/rollback.py): a stream abandoned with tokens emitted but not
+delivered leaves the state of exactly the delivered history, with and without lookahead, even
+when the cancel lands inside the step that ran ahead."""
 import asyncio
 
 import pytest
 import torch
 from linstream.model.config import PRESETS
-from linstream.model.generate import prefill
 from linstream.model.lm import LM
 from linstream.model.sampling import SamplingParams
 from linstream.server.engine.engine import Engine, Job
 
-from ..conftest import TINY
-
-PROMPT = [1, 2, 3, 4, 5]
+from tests.conftest import TINY
+from tests.server.engine.common import PROMPT, Tok, assert_state_of
 
 
 async def engine_with_prompt(model, slots, lookahead):
@@ -22,25 +21,6 @@ async def engine_with_prompt(model, slots, lookahead):
     slot = await eng.call(eng.alloc)
     await eng.prefill(slot, PROMPT)
     return eng, slot
-
-
-def assert_state_of(model, state, tokens):
-    """The state is the one a prefill of exactly these tokens gives."""
-    want = prefill(model, tokens, model.init_state(1))
-    assert int(state.position[0]) == len(tokens)
-    for a, b in zip(state.layers, want.layers):
-        for n in a:
-            torch.testing.assert_close(a[n], b[n], atol=2e-5, rtol=1e-4)
-    return want
-
-
-class Tok:  # the tiny models' 64 ids as single letters
-    token_bytes = [bytes([65 + i % 26]) for i in range(64)]
-    eos_ids = frozenset()
-
-    def decoder(self):
-        from linstream.model.tokenizer import IncrementalDecoder
-        return IncrementalDecoder(self)
 
 
 @pytest.mark.parametrize("lookahead", [True, False])

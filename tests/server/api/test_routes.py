@@ -8,8 +8,8 @@ import pytest_asyncio
 from linstream.server.app import create_app
 from linstream.server.core.settings import Settings
 
-from ..conftest import TINY
-from ..helpers import make_checkpoint
+from tests.conftest import TINY
+from tests.helpers import make_checkpoint
 
 MODELS = [p.removeprefix("tiny-") for p in TINY]
 

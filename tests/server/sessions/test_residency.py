@@ -1,5 +1,5 @@
 """The record blob of a prefilled state, whose NaN/Inf check the engine has already made
-(server/residency.py `_checked_blob`): the same blob as the fully checked path, and the same
+(server/sessions/residency.py `_checked_blob`): the same blob as the fully checked path, and the same
 refusal of a state its history does not explain."""
 from __future__ import annotations
 

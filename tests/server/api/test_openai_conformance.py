@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 
-from ..helpers import ServerProcess, make_checkpoint
+from tests.helpers import ServerProcess, make_checkpoint
 
 openai = pytest.importorskip("openai")
 

@@ -1,5 +1,12 @@
-"""The compiled decode step (model/compiled.py) against eager LM.step: equal within float tolerance,
-bit-identical rows whatever the batch, no change at the takeover, snapshots that cross the two."""
+"""The compiled decode step (model/compiled/) against eager LM.step: equal within float tolerance,
+bit-identical rows whatever the batch, no change at the takeover, snapshots that cross the two.
+
+Each distinct step is built once per run (the `compiled` fixture, tests/conftest.py): every
+mixer family through the default kernels (our own, ahead of time) in one graph of one layer
+each, and each other kernel (inductor's template, oneDNN) and runtime (torch.compile) on one
+linear layer. The same checks over every tiny preset and kernel are marked `matrix`
+(`pytest -m matrix`)."""
+import itertools
 import threading
 
 import pytest
@@ -13,35 +20,16 @@ from linstream.model.lm import LM
 from linstream.model.snapshot import state_from_bytes, state_to_bytes
 from linstream.model.state import State
 
-from ..conftest import random_state
+from tests.conftest import random_state
+from tests.compiled_steps import TEST_MODELS, make_model
 
-pytestmark = pytest.mark.skipif(compiler_missing() is not None, reason="no C++ compiler for inductor")
+pytestmark = [pytest.mark.skipif(compiler_missing() is not None, reason="no C++ compiler for inductor"),
+              pytest.mark.usefixtures("one_thread")]
 
-FAST = ["tiny-linear", "tiny-mamba"]  # each compile costs ~10-20 s on two cores; the rest are slow
-SLOW = ["tiny-performer", "tiny-retnet", "tiny-gla", "tiny-rwkv"]
-_steppers: dict[tuple[str, str, str], Stepper] = {}
+MIXERS = "tiny-mixers"  # one layer of each recurrent mixer family: linear, mamba, performer, retnet, gla, rwkv
+LINEAR = "tiny-linear1"  # one linear layer: the other kernels and runtimes
+PRESETS_COMPILED = ["tiny-linear", "tiny-mamba", "tiny-performer", "tiny-retnet", "tiny-gla", "tiny-rwkv"]
 OWN = "own" if unavailable() is None else "packed"  # --gemm own falls back to inductor's template without AVX-512
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Batch invariance is a one-thread property: with more, the BLAS splits a batch's rows
-    between threads by its size, and a row's low bits follow the split (eager alike)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def stepper(preset: str, gemm: str = "own", runtime: str = "aoti") -> Stepper:
-    """One compiled stepper per preset, gemm and runtime for the whole run (compiling is the
-    expensive part)."""
-    if (preset, gemm, runtime) not in _steppers:
-        torch.manual_seed(0)
-        s = Stepper(LM(PRESETS[preset]).eval(), "on", background=False, gemm=gemm, runtime=runtime)
-        assert s.wait(), "the step did not compile"
-        _steppers[preset, gemm, runtime] = s
-    return _steppers[preset, gemm, runtime]
 
 
 def held(model: LM) -> tuple[Stepper, threading.Event]:
@@ -60,10 +48,7 @@ def rows_of(state: State, rows: list[int]) -> State:
     return state.clone().select(rows)
 
 
-@pytest.mark.parametrize("preset,gemm", [(p, g) for g in GEMMS for p in FAST]
-                         + [pytest.param(p, g, marks=pytest.mark.slow) for g in GEMMS for p in SLOW])
-def test_compiled_equals_eager(preset, gemm):
-    st = stepper(preset, gemm)
+def assert_equals_eager(st: Stepper):
     model, state = st.model, random_state(st.model, 6)
     tokens = torch.arange(6) % model.cfg.vocab_size
     for B in (1, 3, 6):  # padded, padded, symbolic batch
@@ -76,20 +61,42 @@ def test_compiled_equals_eager(preset, gemm):
         assert torch.equal(gnew.position, wnew.position)
 
 
+def test_compiled_equals_eager_for_every_mixer(compiled):
+    st = compiled(MIXERS)
+    assert [b.mixer.name for b in st.model.blocks] == list(TEST_MODELS[MIXERS].layers)
+    assert_equals_eager(st)
+
+
+@pytest.mark.parametrize("gemm", [g for g in GEMMS if g != "own"])
+def test_compiled_equals_eager_with_each_gemm(gemm, compiled):
+    assert_equals_eager(compiled(LINEAR, gemm))
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("preset,gemm", list(itertools.product(PRESETS_COMPILED, GEMMS)))
+def test_compiled_equals_eager_matrix(preset, gemm, compiled):
+    assert_equals_eager(compiled(preset, gemm))
+
+
+ROWS = [(MIXERS, "own", "aoti", (OWN, AOT_MIN_ROWS, "aoti")),  # rwkv's and performer's parameter matmuls too
+        (LINEAR, "inductor", "aoti", ("packed", AOT_MIN_ROWS, "aoti")),
+        (LINEAR, "onednn", "aoti", ("onednn", ONEDNN[1], "dynamo")),
+        (LINEAR, "own", "dynamo", (OWN, MIN_ROWS, "dynamo"))]
+ROWS_MATRIX = ([(p, "own", "aoti", (OWN, AOT_MIN_ROWS, "aoti")) for p in PRESETS_COMPILED]
+               + [(p, "inductor", "aoti", ("packed", AOT_MIN_ROWS, "aoti")) for p in ("tiny-linear", "tiny-mamba")]
+               + [(p, "onednn", "aoti", ("onednn", ONEDNN[1], "dynamo")) for p in ("tiny-linear", "tiny-mamba")]
+               + [("tiny-linear", "own", "dynamo", (OWN, MIN_ROWS, "dynamo")),
+                  ("tiny-linear", "inductor", "dynamo", ("packed", MIN_ROWS, "dynamo"))])
+
+
 @pytest.mark.parametrize("preset,gemm,runtime,kernels",
-                         [(p, "own", "aoti", (OWN, AOT_MIN_ROWS, "aoti")) for p in FAST]
-                         + [(p, "inductor", "aoti", ("packed", AOT_MIN_ROWS, "aoti")) for p in FAST]
-                         + [(p, "onednn", "aoti", ("onednn", ONEDNN[1], "dynamo")) for p in FAST]
-                         + [pytest.param(p, "own", "aoti", (OWN, AOT_MIN_ROWS, "aoti"), marks=pytest.mark.slow)
-                            for p in ("tiny-rwkv", "tiny-performer")]  # their parameter matmuls too
-                         + [("tiny-linear", "own", "dynamo", (OWN, MIN_ROWS, "dynamo")),
-                            ("tiny-linear", "inductor", "dynamo", ("packed", MIN_ROWS, "dynamo"))])
-def test_compiled_rows_do_not_depend_on_the_batch(preset, gemm, runtime, kernels):
+                         ROWS + [pytest.param(*p, marks=pytest.mark.matrix) for p in ROWS_MATRIX])
+def test_compiled_rows_do_not_depend_on_the_batch(preset, gemm, runtime, kernels, compiled):
     """Bit-identical logits and states for a row stepped alone, in a small padded batch, in any
     symbolic batch size, at any place in the batch: every projection runs one kernel (our own,
     inductor's packed GEMM template, or oneDNN's matmul) whatever the batch, built ahead of time (AOTInductor,
     the default) or by torch.compile."""
-    st = stepper(preset, gemm, runtime)
+    st = compiled(preset, gemm, runtime)
     assert (st.kernels, st.min_rows, st.runtime) == kernels, "the step fell back to other kernels or runtime"
     model = st.model
     state = random_state(model, 70)
@@ -103,10 +110,10 @@ def test_compiled_rows_do_not_depend_on_the_batch(preset, gemm, runtime, kernels
                 assert torch.equal(a[n], b[n][rows]), (rows, n)
 
 
-def test_takeover_does_not_change_a_running_stream():
+def test_takeover_does_not_change_a_running_stream(compiled):
     """Rows that stepped eagerly stay eager after the compiled step is ready; a new row goes
     compiled; stepping both in one batch gives each what it would get on its own path."""
-    st = stepper("tiny-linear")
+    st = compiled(MIXERS)
     model = st.model
     fresh, go = held(model)
     pool = random_state(model, 3)
@@ -131,11 +138,12 @@ def test_takeover_does_not_change_a_running_stream():
     assert 0 not in fresh.pinned and 1 in fresh.pinned
 
 
-@pytest.mark.parametrize("preset", FAST)
-def test_snapshot_from_compiled_continues_eagerly(preset):
+@pytest.mark.parametrize("preset", [MIXERS] + [pytest.param(p, marks=pytest.mark.matrix)
+                                               for p in ("tiny-linear", "tiny-mamba")])
+def test_snapshot_from_compiled_continues_eagerly(preset, compiled):
     """Greedy tokens: compiled for a while, snapshot, restore, continue eagerly == all eager; and the
     other way round."""
-    st = stepper(preset)
+    st = compiled(preset)
     model = st.model
 
     def run(state, first, n):
@@ -158,8 +166,8 @@ def test_snapshot_from_compiled_continues_eagerly(preset):
     assert compiled_first == all_eager == eager_first
 
 
-def test_a_fresh_stepper_answers_eagerly_while_it_compiles():
-    model = stepper("tiny-linear").model
+def test_a_fresh_stepper_answers_eagerly_while_it_compiles(compiled):
+    model = compiled(MIXERS).model
     st, go = held(model)
     state = random_state(model, 2)
     got, _ = st(torch.tensor([1, 2]), state.clone(), rows=[0, 1])
@@ -186,10 +194,10 @@ def test_modes(monkeypatch, caplog):
         Stepper(LM(PRESETS["tiny-linear"]).eval(), "on")
 
 
-def test_the_library_is_its_own_cache(caplog, tmp_path):
+def test_the_library_is_its_own_cache(caplog, compiled):
     """A second stepper of the same weights loads the built library (named by a hash of the
     weights, settings, torch and CPU) instead of building it; other weights build their own."""
-    st = stepper("tiny-linear")
+    st = compiled(MIXERS)
     assert st.runtime == "aoti" and st.compiled.library.exists()
     with caplog.at_level("INFO", logger="linstream.compiled"):
         again = Stepper(st.model, "on", background=False)
@@ -199,22 +207,23 @@ def test_the_library_is_its_own_cache(caplog, tmp_path):
     a, na = st(torch.arange(3), state.clone())
     b, nb = again(torch.arange(3), state.clone())
     assert torch.equal(a, b) and all(torch.equal(x[n], y[n]) for x, y in zip(na.layers, nb.layers) for n in x)
-    other = LM(PRESETS["tiny-linear"]).eval()
+    other = make_model(MIXERS)
     with torch.no_grad():
         other.head.weight.add_(1e-3)
     other.requires_grad_(False)
     assert library_key(other, PACKED, AOT_MIN_ROWS, MAX_ROWS) != library_key(st.model, PACKED, AOT_MIN_ROWS, MAX_ROWS)
 
 
-def test_a_failed_build_falls_back_to_dynamo(monkeypatch, caplog):
+def test_a_failed_build_falls_back_to_dynamo(monkeypatch, caplog, compiled):
     """Where the ahead-of-time build fails, the step is compiled by torch.compile with the same
     kernels, with a log line saying why."""
+    compiled(LINEAR, runtime="dynamo")  # (the same graph: inductor's cache has its kernels)
+
     def broken(*args, **kwargs):
         raise RuntimeError("no export for this model")
     monkeypatch.setattr(AotStep, "build", broken)
-    torch.manual_seed(0)
     with caplog.at_level("INFO", logger="linstream.compiled"):
-        st = Stepper(LM(PRESETS["tiny-linear"]).eval(), "on", background=False)
+        st = Stepper(make_model(LINEAR), "on", background=False)
     assert "no export for this model" in caplog.text
     assert (st.status, st.kernels, st.runtime) == ("compiled", OWN, "dynamo")
     state = random_state(st.model, 3)
@@ -243,8 +252,8 @@ def test_a_build_that_failed_is_not_tried_again(monkeypatch, tmp_path):
     assert len(tries) == 2
 
 
-def test_inputs_the_graph_was_not_compiled_for_step_eagerly():
-    st = stepper("tiny-mamba")
+def test_inputs_the_graph_was_not_compiled_for_step_eagerly(compiled):
+    st = compiled(MIXERS)
     model, state = st.model, random_state(st.model, 5)
     with torch.inference_mode():
         got, _ = st(torch.arange(5), state.clone())
@@ -253,15 +262,15 @@ def test_inputs_the_graph_was_not_compiled_for_step_eagerly():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gemm", GEMMS)
-def test_golden_greedy_compiled(gemm):
+@pytest.mark.parametrize("gemm", ["own"] + [pytest.param(g, marks=pytest.mark.matrix) for g in GEMMS if g != "own"])
+def test_golden_greedy_compiled(gemm, compiled):
     """The shipped `linear`, stepped by the compiled graph, greedy-decodes the golden literal."""
     from linstream.model.generate import prefill
     from linstream.model.tokenizer import Tokenizer
 
-    from .test_golden import CKPT, GOLDEN_IDS, PROMPT
-    model = LM.load(CKPT)
-    st = Stepper(model, "on", background=False, gemm=gemm)
+    from tests.model.test_golden import CKPT, GOLDEN_IDS, PROMPT
+    st = compiled("shipped:linear", gemm)  # LM.load(CKPT)
+    model = st.model
     s = prefill(model, Tokenizer(CKPT / "tokenizer.json").encode(PROMPT), model.init_state(1))
     out = []
     for _ in range(len(GOLDEN_IDS)):
@@ -271,12 +280,12 @@ def test_golden_greedy_compiled(gemm):
     assert out == GOLDEN_IDS
 
 
-def test_inputs_it_was_not_compiled_for_step_eagerly_without_a_recompile(caplog, monkeypatch):
+def test_inputs_it_was_not_compiled_for_step_eagerly_without_a_recompile(caplog, monkeypatch, compiled):
     """The compiled call skips dynamo's guard checks (but those telling models apart), so inputs
     of other dtypes (here int32 positions) are stepped eagerly, with one log line, never handed to
     the graph or recompiled inside a decode step; a guard failure that still reaches dynamo
     raises before the graph runs and that call steps eagerly too."""
-    st = stepper("tiny-linear", runtime="dynamo")
+    st = compiled(LINEAR, runtime="dynamo")
     model = st.model
     state = random_state(model, 3)
     odd = State(state.layers, state.position.int(), state.time_dims, state.next_logits)

@@ -12,7 +12,7 @@ import pytest
 
 from harness.local_server import free_port
 
-from ..helpers import ServerProcess, greedy_from_blob, make_checkpoint
+from tests.helpers import ServerProcess, greedy_from_blob, make_checkpoint
 
 
 def stream_tokens(url, sid, max_tokens, on_token=None):

@@ -9,7 +9,7 @@ from linstream.server.api.schemas import CreateSession
 from linstream.server.app import create_app
 from linstream.server.core.settings import Settings
 
-from ..helpers import make_checkpoint
+from tests.helpers import make_checkpoint
 
 KEY = "k-hot"
 AUTH = {"authorization": f"Bearer {KEY}"}

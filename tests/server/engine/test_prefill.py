@@ -1,4 +1,4 @@
-"""Short pushes as compiled decode steps (server/engine.py STEP_PREFILL, model/generate.py
+"""Short pushes as compiled decode steps (server/engine/engine.py STEP_PREFILL, model/generate.py
 prefill_by_steps): once the step is compiled, a push of a few tokens runs one step per token
 instead of one chunked pass, and ends within float rounding of the chunked form (state, next
 logits, logprobs of the pushed tokens); a longer push, or any push while the step is eager,
@@ -11,7 +11,6 @@ import torch
 import linstream.server.engine.engine as engine_mod
 from linstream.model import WEIGHTS
 from linstream.model.compiled import Stepper, compiler_missing
-from linstream.model.config import PRESETS
 from linstream.model.generate import decode_one_token, prefill, prefill_by_steps, prefill_chunk
 from linstream.model.lm import LM
 from linstream.model.sampling import SamplingParams
@@ -19,9 +18,11 @@ from linstream.server.engine.engine import STEP_PREFILL, Engine
 from linstream.server.engine.jobs import Job, NonFiniteState
 from linstream.server.engine.jobs import logprob_entries as _logprob_entries
 
-from .test_engine import PROMPT, Tok, assert_state_of
+from tests.compiled_steps import make_model
+from tests.server.engine.common import PROMPT, Tok, assert_state_of, deliver
 
-pytestmark = pytest.mark.skipif(compiler_missing() is not None, reason="no C++ compiler for inductor")
+pytestmark = [pytest.mark.skipif(compiler_missing() is not None, reason="no C++ compiler for inductor"),
+              pytest.mark.usefixtures("one_thread")]
 TOL = dict(atol=2e-5, rtol=1e-4)
 
 
@@ -44,12 +45,11 @@ async def pushes(eng: Engine, pushed: list[list[int]]) -> list:
     return out
 
 
-@pytest.fixture(scope="module")
-def compiled_engine_model():
-    torch.manual_seed(0)
-    model = LM(PRESETS["tiny-linear"]).eval()
-    assert Stepper(model, "on", background=False).wait(), "the step did not compile"  # once for the module
-    return model
+@pytest.fixture
+def compiled_engine_model(compiled):
+    """A model whose compiled step is built (once for the run: an engine's Stepper loads it)."""
+    compiled("tiny-mixers")
+    return make_model("tiny-mixers")
 
 
 @pytest.mark.parametrize("compile", ["on", "off"])
@@ -78,38 +78,33 @@ def test_short_push_runs_as_steps_once_compiled(compile, compiled_engine_model, 
         assert [lp for lp, _ in job.results] == pytest.approx([lp for lp, _ in chunked], abs=1e-4)
 
 
-def test_steps_and_chunked_continue_alike_on_the_shipped_model():
+def test_steps_and_chunked_continue_alike_on_the_shipped_model(compiled):
     """Greedy tokens after a short push: pushed by steps == pushed by one chunked pass, for 16."""
     if not (WEIGHTS / "linear").is_dir():
         pytest.skip("no shipped linear weights")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = LM.load(WEIGHTS / "linear").eval()
-        step = Stepper(model, "on", background=False)
-        assert step.wait(), "the step did not compile"
-        with torch.no_grad():
-            start = prefill(model, list(range(40, 60)), model.init_state(1)).clone()
-            push = [71, 300, 12]
-            (la, a), (lb, b) = prefill_by_steps(step, push, start), prefill_chunk(model, push, start)
-            torch.testing.assert_close(la, lb, **TOL)
-            torch.testing.assert_close(a.next_logits, b.next_logits, **TOL)
+    model = LM.load(WEIGHTS / "linear").eval()
+    compiled("shipped:linear")  # built once for the run (tests/compiled_steps.py): this one loads it
+    step = Stepper(model, "on", background=False)
+    assert step.wait(), "the step did not compile"
+    with torch.no_grad():
+        start = prefill(model, list(range(40, 60)), model.init_state(1)).clone()
+        push = [71, 300, 12]
+        (la, a), (lb, b) = prefill_by_steps(step, push, start), prefill_chunk(model, push, start)
+        torch.testing.assert_close(la, lb, **TOL)
+        torch.testing.assert_close(a.next_logits, b.next_logits, **TOL)
 
-            def greedy(st, k=16):
-                out = []
-                for _ in range(k):
-                    out.append(int(st.next_logits.argmax(-1)))
-                    _, st = decode_one_token(step, torch.tensor(out[-1:]), st)
-                return out
-            assert greedy(a) == greedy(b.clone())
-    finally:
-        torch.set_num_threads(n)
+        def greedy(st, k=16):
+            out = []
+            for _ in range(k):
+                out.append(int(st.next_logits.argmax(-1)))
+                _, st = decode_one_token(step, torch.tensor(out[-1:]), st)
+            return out
+        assert greedy(a) == greedy(b.clone())
 
 
 async def stream_beside_pushes(eng: Engine, pushed: list[list[int]]) -> tuple[list[int], list]:
     """A seeded stream of 40 tokens; once it runs, `pushed` go into other sessions (each after
     PROMPT) at once. -> (the stream's tokens, each push's prefill job)."""
-    from .test_engine_faults import deliver
     loop = asyncio.get_running_loop()
     slots = []
     for _ in range(1 + len(pushed)):

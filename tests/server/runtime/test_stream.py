@@ -12,7 +12,7 @@ from linstream.server.api.streaming import events
 from linstream.server.app import create_app
 from linstream.server.core.settings import Settings
 
-from ..helpers import make_checkpoint
+from tests.helpers import make_checkpoint
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

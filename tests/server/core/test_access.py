@@ -7,7 +7,7 @@ import pytest_asyncio
 from linstream.server.app import create_app
 from linstream.server.core.settings import Settings
 
-from ..helpers import make_checkpoint
+from tests.helpers import make_checkpoint
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 A, B = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}

@@ -8,7 +8,7 @@ import pytest_asyncio
 from linstream.server.app import create_app
 from linstream.server.core.settings import Settings
 
-from ..helpers import make_checkpoint
+from tests.helpers import make_checkpoint
 
 TOKENS = 65536
 

@@ -13,8 +13,8 @@ from linstream.server.core.auth import key_id
 from linstream.server.core.settings import Settings
 from linstream.server.sessions.prefix_cache import PrefixCache, as_resent
 
-from ..conftest import TINY
-from ..helpers import TOKENIZER, make_checkpoint
+from tests.conftest import TINY
+from tests.helpers import TOKENIZER, make_checkpoint
 
 MODELS = [p.removeprefix("tiny-") for p in TINY]
 A, B = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
