@@ -59,7 +59,7 @@ class OneDnnLinear(nn.Module):
 
 class OwnLinear(nn.Module):
     """nn.Linear through our own kernel (model/kernels): the weight packed once in panels of 32
-    columns, frozen into the step's library as a constant, called there through its C shim."""
+    columns, an input of the step's library (model/compiled/aot.py), called there through its C shim."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -82,7 +82,8 @@ class OwnBF16Linear(BF16Linear):
     def __init__(self, linear: BF16Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.w, self.bias = linear.w, linear.bias
+        self.register_buffer("w", linear.w)
+        self.register_buffer("bias", linear.bias)
         self.register_buffer("packed", kernels.pack(linear.w, torch.bfloat16))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -98,7 +99,8 @@ class OwnInt8Linear(Int8Linear):
     def __init__(self, linear: Int8Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.qweight, self.scale, self.bias = linear.qweight, linear.scale, linear.bias
+        for name in ("qweight", "scale", "bias"):  # buffers: a step that takes its weights as inputs finds them
+            self.register_buffer(name, getattr(linear, name))
         self.register_buffer("packed", kernels.pack(linear.qweight, torch.int8))
         self.register_buffer("scale_f32", linear.scale.float())
 
@@ -138,13 +140,52 @@ def twin(model: nn.Module, gemm: str) -> nn.Module:
     return copied.requires_grad_(False)
 
 
+def projection_bytes(model: nn.Module) -> int:
+    """Bytes of the weights our kernel would take (own_kind), as they are held now."""
+    total = 0
+    for m in model.modules():
+        if own_kind(m) is not None:
+            w = m.weight if isinstance(m, nn.Linear) else m.w if isinstance(m, BF16Linear) else m.qweight
+            total += w.numel() * w.element_size()
+    return total
+
+
+def packed_in_place(model: nn.Module) -> bool:
+    """Whether pack_in_place left `model`'s projections with their panels only."""
+    return any(isinstance(m, (OwnLinear, OwnBF16Linear, OwnInt8Linear)) and
+               (m.weight if isinstance(m, OwnLinear) else m.w if isinstance(m, OwnBF16Linear) else m.qweight).is_meta
+               for m in model.modules())
+
+
+def pack_in_place(model: nn.Module) -> None:
+    """`model`'s projections become our kernel's (own_kind) with the packed panels as their only
+    copy: the original weights are dropped (left on the meta device, for code that reads a
+    projection's shape or dtype), so every path, prefill and eager steps included, multiplies by
+    the panels, and a model is held once instead of twice (weights and panels). One projection at
+    a time: packing needs one more projection's worth of memory. twin(model, "own") then packs
+    nothing more."""
+    # by name: a list of the modules would keep every replaced projection (and its weights) alive to the end
+    for path in [name for name, _ in model.named_modules()]:
+        parent = model.get_submodule(path)
+        for name in [n for n, child in parent.named_children() if own_kind(child) is not None]:
+            own = own_kind(getattr(parent, name))(getattr(parent, name))
+            if isinstance(own, OwnLinear):
+                own.weight = nn.Parameter(own.weight.detach().to("meta"), requires_grad=False)
+            else:
+                held = "w" if isinstance(own, OwnBF16Linear) else "qweight"
+                setattr(own, held, getattr(own, held).to("meta"))
+            setattr(parent, name, own)
+            del own
+        pack_params(parent)
+
+
 def pack_params(module: nn.Module) -> None:
     """Our kernel's packed copy of each parameter a mixer multiplies by outside nn.Linear (its
     PACKABLE: name -> layout), as a buffer `<name>_packed` its forward looks for: "kn" a (K, N)
     weight, "gkn" / "gnk" one (K, N) / (N, K) weight per group g."""
     for name, layout in getattr(module, "PACKABLE", {}).items():
         w = getattr(module, name)
-        if w.dtype != torch.float32 or w.device.type != "cpu":
+        if w.dtype != torch.float32 or w.device.type != "cpu" or hasattr(module, name + "_packed"):
             continue
         packed = (kernels.pack(w.t()) if layout == "kn" else
                   torch.stack([kernels.pack(g.t() if layout == "gkn" else g) for g in w]))

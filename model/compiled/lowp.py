@@ -101,9 +101,12 @@ def to_weights(model: nn.Module, weights: str) -> nn.Module:
     getattr(model, "fingerprint", None)
     if hasattr(model, "num_params"):
         model._num_params = model.num_params()  # the int8 weights become buffers, not parameters
-    for parent in list(model.modules()):
+    # by name: a list of the modules would keep every replaced projection's float32 weights alive to the end
+    for path in [name for name, _ in model.named_modules()]:
+        parent = model.get_submodule(path)
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.in_features % K_MULTIPLE == 0 \
                     and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
                 setattr(parent, name, (Int8Linear if weights == "int8" else BF16Linear)(child))
+            del child
     return model

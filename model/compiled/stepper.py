@@ -4,12 +4,16 @@
     logits, state = stepper(tokens, state, rows)   # same contract as LM.step
 
 One graph serves every batch size from MIN_ROWS up: the batch dim is compiled symbolic, so there
-is one compile instead of one per bucket. The weights are frozen into the graph (the model's
-parameters stop asking for grads). By default (`gemm="own"`) every float32 nn.Linear (and every
-bfloat16 one of `--weights bfloat16`) runs our own AVX-512 or AVX2 kernel (model/kernels) over
-weights packed once: inductor's template's speed at one row and MKL's at large batches, each output one FMA
-chain over k whatever the batch; where that kernel cannot be built (neither ISA, no compiler), or
-for `gemm="inductor"`, the matmuls run inductor's own C++ GEMM template over them,
+is one compile instead of one per bucket. By default (`gemm="own"`) every float32 nn.Linear (and
+every bfloat16 or int8 one of `--weights`) runs our own AVX-512 or AVX2 kernel (model/kernels)
+over weights packed once, which the step built ahead of time takes as inputs (model/compiled/aot.py:
+one build serves every checkpoint of a shape): inductor's template's speed at one row and MKL's at
+large batches, each output one FMA chain over k whatever the batch. A model whose projections
+hold more than IN_PLACE_BYTES is packed in place first (gemm.pack_in_place): the panels become
+the projections' only copy, and prefill and eager steps multiply by them too, so a billion-
+parameter model is held once, not twice; where that kernel cannot be built (neither ISA, no compiler), or
+for `gemm="inductor"`, the weights are frozen into the graph (the model's parameters stop asking
+for grads) and the matmuls run inductor's own C++ GEMM template over them,
 packed once at compile time (freezing + max-autotune, CPP backend only), not MKL: each row goes
 through the same micro-kernel with the same order of additions whatever the batch, so a row's
 logits and state are bit-identical from one row to hundreds (tests/model/test_compiled.py). MKL takes a
@@ -34,8 +38,9 @@ by torch.compile as below; runtime="dynamo" asks for that directly. There it is 
 inductor's C++ wrapper (cpp_wrapper): one C++ call per step, which also releases the GIL for its
 whole length, so a server's event loop runs beside the step on another core instead of waiting
 for it (and the Python wrapper's per-kernel calls are gone).
-All this with one compute thread only: with more, the kernels split a batch's rows between
-threads by its size, and eager and compiled alike lose it. The eager path agrees with the compiled
+All this with one compute thread only: with more, inductor's kernels and the BLAS split a batch's
+rows between threads by its size, and eager and compiled alike lose it (our kernel splits its
+output columns, which changes no bits). The eager path agrees with the compiled
 one, and with itself across batch sizes, within float tolerance only.
 
 On a CUDA device the step is instead captured as CUDA graphs, one per batch-size bucket
@@ -62,7 +67,7 @@ from ..kernels import aoti_options, compiler, unavailable
 from ..lm import LM
 from ..state import State
 from .aot import AotStep
-from .gemm import GEMMS, own_kind, twin
+from .gemm import GEMMS, own_kind, pack_in_place, packed_in_place, projection_bytes, twin
 from .graphs import GraphStep
 
 log = logging.getLogger("linstream.compiled")
@@ -86,6 +91,10 @@ def own_options() -> dict:
 
 
 MAX_ROWS = 1 << 16  # the symbolic batch dim needs an upper bound; far above any max_batch
+# --gemm own: a model whose projections hold more bytes than this is packed in place (gemm.py:
+# pack_in_place), its panels the projections' only copy; a smaller one keeps its weights for the
+# eager path (aten's matmuls) beside a twin's panels for the compiled step
+IN_PLACE_BYTES = 256 << 20
 MODES = ("auto", "on", "off")
 # how the compiled step is called: aoti = built ahead of time into a library called through its C
 # interface (aot.py), falling back to dynamo where that fails; dynamo = torch.compile's function
@@ -121,6 +130,7 @@ class Stepper:
         self._scratch: list[Tensor] | None = None  # min_rows-row inputs for small batches
         self._heads: dict[int, list[Tensor]] = {}  # their first B rows
         self.min_rows, self.kernels = MIN_ROWS, "packed"
+        self.packed_in_place = False  # the model's projections hold only our kernel's panels (gemm.pack_in_place)
         self._warned = False
         one = model.init_state(1)  # what every call's inputs must look like, row for row (_fits)
         self._signature = [(t.dtype, t.shape[1:]) for t in (torch.zeros(1, dtype=torch.long), one.position,
@@ -134,6 +144,13 @@ class Stepper:
             self.mode = "off"
             return
         self.mode = "on"
+        self.packed_in_place = packed_in_place(model)  # (by the caller)
+        if gemm == "own" and not self.cuda and projection_bytes(model) > IN_PLACE_BYTES and \
+                self._own_unavailable() is None:
+            self.packed_in_place = True
+            t0 = time.perf_counter()
+            pack_in_place(model)  # here, before any step: the eager path runs on the same panels from now on
+            log.info("projections packed for our kernel in place in %.1f s (their only copy)", time.perf_counter() - t0)
         if cache_dir or not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir or CACHE_DIR)
         self.thread = threading.Thread(target=self.warm, name="compile-step", daemon=True)
@@ -174,10 +191,14 @@ class Stepper:
         tries = [("packed", r, lambda: (self.model, PACKED), rows[r]) for r in runtimes]
         if self.gemm == "onednn":
             tries = [("onednn", "dynamo", lambda: (twin(self.model, "onednn"), ONEDNN[0]), ONEDNN[1])]
+        elif self.packed_in_place:  # no weights left for other kernels: ours, or eager (on the same panels)
+            tries = [("own", r, lambda: (twin(self.model, "own"), own_options()), rows[r]) for r in runtimes]
         elif self.gemm == "own" and any(own_kind(m) for m in self.model.modules()) and self._own_unavailable() is None:
             # our kernel; inductor's template where it cannot be built or called
             tries = [("own", r, lambda: (twin(self.model, "own"), own_options()), rows[r]) for r in runtimes] + tries
-        for kernels, runtime, make, min_rows in tries + [("blas", "dynamo", lambda: (self.model, LEGACY[0]), LEGACY[1])]:
+        if not self.packed_in_place:
+            tries.append(("blas", "dynamo", lambda: (self.model, LEGACY[0]), LEGACY[1]))
+        for kernels, runtime, make, min_rows in tries:
             try:
                 model, options = make()
                 fn = self._aot(model, options, min_rows) if runtime == "aoti" else self._compile(model, options, min_rows)

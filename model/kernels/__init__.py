@@ -7,7 +7,7 @@
 The kernel (packed_linear.cpp) is plain AVX-512, or AVX2 + FMA where the CPU has no AVX-512 (one
 source, built for the ISA torch reports): weights in panels of 32 output columns, register blocks
 where rows share a panel's loads (12 rows with AVX-512, 3 with AVX2), and fewer rows walking
-several panels at once.
+several panels at once; a large product is split between torch's threads by groups of panels.
 Each output is one FMA chain over k from zero and then its bias, so a row's bits never depend on
 the rows beside it (batch invariance), nor on which of the two builds ran it: the same property
 inductor's own GEMM template has, at several times its speed at large batches with AVX-512
@@ -109,6 +109,7 @@ def library() -> Path:
         lib.linstream_pack.argtypes = [p, i, i, p]
         for fn in (lib.linstream_packed_linear, lib.linstream_packed_linear_bf16, lib.linstream_packed_linear_int8):
             fn.argtypes = [p, i, i, i, p, i, p, p, p]
+        lib.linstream_new_handles.argtypes, lib.linstream_new_handles.restype = [p, i, p], ctypes.c_int
         _lib = lib
         return path
 
@@ -117,6 +118,13 @@ def _loaded() -> ctypes.CDLL:
     if _lib is None:
         library()
     return _lib
+
+
+def new_handles():
+    """`new_handles(in, n, out)`: n new AtenTensorHandles to the tensors of the handles at `in`,
+    written to `out` (both arrays of pointers; non-zero return: a failure). For step libraries
+    that take their weights as inputs (model/compiled/aot.py)."""
+    return _loaded().linstream_new_handles
 
 
 def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

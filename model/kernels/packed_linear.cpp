@@ -1,5 +1,5 @@
-// y[M, N] = x[M, K] . W^T (+ b), float32, one thread, AVX-512 or AVX2 + FMA: the compiled decode
-// step's projections.
+// y[M, N] = x[M, K] . W^T (+ b), float32, AVX-512 or AVX2 + FMA: the compiled decode step's
+// projections.
 //
 // W is packed once into panels of 32 output columns, p[N/32][K][32] (the last panel padded with
 // zero columns), so a panel's k-th row is two AVX-512 vectors or four AVX2 ones. Every output is
@@ -16,6 +16,10 @@
 // int8), widened exactly, with one scale per output applied once its chain is done: a quarter of
 // the bytes.
 //
+// Large products are split between torch's threads by groups of panels, i.e. by output columns:
+// each output is still computed by one thread with the same chain, so the thread count changes no
+// bits either.
+//
 // Entry points over the same code: linstream_packed_linear(_bf16) (raw pointers, for ctypes and
 // the eager op) and aoti_torch_cpu_packed_linear, the C shim AOTInductor's generated step calls for
 // torch.ops.linstream.packed_linear (model/kernels/__init__.py).
@@ -23,6 +27,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
 namespace {
@@ -132,26 +137,31 @@ constexpr int64_t GROUP = 8;  // panels whose weights (8 x K x 32 floats) stay i
 // as it is loaded (bfloat16: the same FMA chains as float32 weights rounded to bfloat16, half the
 // bytes to stream; int8: a quarter, one scale per output applied once the chain is done). scale
 // may be null (no scaling), as may bias.
+constexpr int64_t SPLIT = 1 << 20;  // multiply-adds below which a product stays on one thread
+
 template <typename W>
 void packed_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const W *p, int64_t N, const float *scale,
                    const float *bias, float *y) {
     // the largest row blocks share each panel's loads; fewer rows walk several panels at once instead
-    const int64_t panels = (N + NR - 1) / NR;
-    for (int64_t j0 = 0; j0 < panels; j0 += GROUP) {
-        const int64_t j1 = j0 + GROUP < panels ? j0 + GROUP : panels;
-        int64_t i = 0;
+    const int64_t panels = (N + NR - 1) / NR, groups = (panels + GROUP - 1) / GROUP;
+    const int64_t per_group = M * K * NR * GROUP, grain = per_group >= SPLIT ? 1 : (SPLIT + per_group - 1) / per_group;
+    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+        for (int64_t j0 = g0 * GROUP; j0 < g1 * GROUP && j0 < panels; j0 += GROUP) {
+            const int64_t j1 = j0 + GROUP < panels ? j0 + GROUP : panels;
+            int64_t i = 0;
 #if defined(__AVX512F__)  // 32 registers: up to 24 accumulators
-        for (; i + 12 <= M; i += 12) rows<12, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
-        for (; i + 8 <= M; i += 8) rows<8, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
-        for (; i + 4 <= M; i += 4) rows<4, 2>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
-        for (; i + 2 <= M; i += 2) rows<2, 4>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
-        for (; i < M; i++) rows<1, 8>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
+            for (; i + 12 <= M; i += 12) rows<12, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
+            for (; i + 8 <= M; i += 8) rows<8, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
+            for (; i + 4 <= M; i += 4) rows<4, 2>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
+            for (; i + 2 <= M; i += 2) rows<2, 4>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
+            for (; i < M; i++) rows<1, 8>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
 #else  // 16 registers: 12 accumulators, the panel's four vectors and the broadcast row value
-        for (; i + 3 <= M; i += 3) rows<3, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
-        for (; i + 2 <= M; i += 2) rows<2, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
-        for (; i < M; i++) rows<1, 2>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
+            for (; i + 3 <= M; i += 3) rows<3, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
+            for (; i + 2 <= M; i += 2) rows<2, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
+            for (; i < M; i++) rows<1, 2>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
 #endif
-    }
+        }
+    });
 }
 
 }  // namespace
@@ -182,6 +192,15 @@ void linstream_packed_linear_bf16(const float *x, int64_t M, int64_t K, int64_t 
 void linstream_packed_linear_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *p, int64_t N,
                                   const float *scale, const float *bias, float *y) {
     packed_linear(x, M, K, ldx, p, N, scale, bias, y);
+}
+
+// out[i] = a new handle to the tensor of in[i], for i < n: AOTInductor's run takes over the handles
+// it is given, and a step library that takes its weights as inputs (model/compiled/aot.py) is
+// handed them anew on every call, with this one call instead of one per weight.
+int linstream_new_handles(AtenTensorHandle *in, int64_t n, AtenTensorHandle *out) {
+    for (int64_t i = 0; i < n; i++)
+        if (aoti_torch_new_tensor_handle(in[i], &out[i])) return 1;
+    return 0;
 }
 
 // The C shim for torch.ops.linstream.packed_linear(x (M, K), packed, bias?, n, scale?) -> (M, n),
