@@ -174,8 +174,9 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
     if masked:
         logits = banned_to_inf(logits, masked, [masks[i] for i in masked])
     out = _sample(logits, params, generators)
+    drawn = out.numpy() if out.device.type == "cpu" else out.cpu().numpy()
     for i in masked:  # a uniform of exactly 0 lands on the row's first token, whatever its weight
-        if masks[i][int(out[i])]:
+        if masks[i][drawn[i]]:
             out[i] = logits[i].argmax()
     return out
 

@@ -528,7 +528,8 @@ class Engine:
         constrained = any(j.matcher is not None for j in jobs)
         if constrained:
             self._masks_ready()
-            finite = [ok and (j.matcher is None or self._grammar_ok(j)) for j, ok in zip(jobs, finite)]
+            finite = [ok and (j.matcher is None or j.matcher.error is None or self._grammar_failed(j))
+                      for j, ok in zip(jobs, finite)]
         if not all(finite):  # a new job's held logits (restored or prefilled) can be bad too
             for j, ok in zip(jobs, finite):
                 if not ok and j.finish != "error":
@@ -540,7 +541,8 @@ class Engine:
         for i, j in enumerate(jobs):
             if tokens[i] is None:
                 continue
-            if j.matcher is not None and not self._grammar_takes(j, tokens[i]):
+            if j.matcher is not None and not j.matcher.take(tokens[i]) and j.matcher.error is not None:
+                self._grammar_failed(j)  # (the job ends "stop" once its grammar is complete: _event)
                 continue
             try:
                 ev = self._event(j, tokens[i], logits[i:i + 1])
@@ -588,18 +590,8 @@ class Engine:
             _refill(matchers)
             self._mask_done.put(None)
 
-    def _grammar_ok(self, j: Job) -> bool:
-        """May j be sampled? Not if its grammar failed to give a mask (the job is ended)."""
-        if j.matcher.error is None:
-            return True
-        self._fail(j, f"constrained decoding failed: {j.matcher.error}")
-        return False
-
-    def _grammar_takes(self, j: Job, token: int) -> bool:
-        """j's grammar takes its sampled token; the job ends "stop" once the grammar is complete
-        (`_event`). False (the job ended with an error) if the grammar refuses it."""
-        if j.matcher.take(token) or j.matcher.error is None:
-            return True
+    def _grammar_failed(self, j: Job) -> bool:
+        """j's grammar failed (no mask, or it refused the token): the job ends. -> False"""
         self._fail(j, f"constrained decoding failed: {j.matcher.error}")
         return False
 
@@ -695,7 +687,7 @@ def _retrieved(fut: asyncio.Future) -> None:
 
 
 def _refill(matchers: list[Matcher]) -> None:
-    """Each matcher's next mask; a failure ends only its own job (Engine._grammar_ok)."""
+    """Each matcher's next mask; a failure ends only its own job (Engine._grammar_failed)."""
     for m in matchers:
         try:
             m.refill()
