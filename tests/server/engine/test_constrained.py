@@ -1,7 +1,7 @@
 """Constrained rows in the engine's batched step (Job.matcher): a row draws only what its grammar
 allows, ends "stop" where the grammar is complete, and a grammar that fails ends only its own job;
 the rows beside it draw exactly what they draw without it, with the masks computed beside the
-step or inline."""
+step (on the mask thread) or at once."""
 import asyncio
 
 import numpy as np
@@ -60,7 +60,7 @@ def alone(model):
 async def run(model, matcher=None, overlap=True):
     """The free rows and, if given, a constrained one, all at once; -> [(tokens, finish, error)]."""
     eng = Engine("m", model, Tok(), slots=8, prefill_chunk=16, max_batch=8)
-    eng.overlap_masks = overlap
+    eng.handoff_s = 0.0 if overlap else float("inf")
     eng.start()
     loop = asyncio.get_running_loop()
     try:
