@@ -109,6 +109,17 @@ class LocalCluster:
             total += sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
         return total
 
+    def metrics(self, name: str) -> list[float]:
+        """`metric(name, i)` for each replica; 0 for one that does not answer (killed: a new
+        process counts from 0)."""
+        out = []
+        for i in range(self.n):
+            try:
+                out.append(self.metric(name, i))
+            except httpx.HTTPError:
+                out.append(0.0)
+        return out
+
     def stop(self) -> None:
         stop_process(self.proc, grace=90)
 

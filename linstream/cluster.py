@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -51,9 +52,10 @@ defaults
     timeout http-request 10s
     timeout http-keep-alive 60s
     timeout queue 10s
-    # a stream sends an SSE ping every 5 s (sse_ping_s); a lost machine's streams end after this
-    timeout client 120s
-    timeout server 120s
+    # a stream sends an SSE ping every 5 s (sse_ping_s), but a generation answered as one JSON body
+    # sends nothing until it ends: room for a long one; a lost machine's requests end after this
+    timeout client 300s
+    timeout server 300s
     # one connection to a replica per request: a request never goes out on a kept-alive connection
     # to a replica that has died meanwhile (nothing retries a request that may have been served),
     # so a dead replica is always a refused connection, tried again on another one (redispatch)
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
 
 # ---- running a cluster on one machine ---------------------------------------------------------
 
+RESTART_S = 5.0  # a replica that exits is started again, at most once per this many seconds
+
 def _which(cmd: str) -> str | None:
     return shutil.which(cmd) or next((p for p in (f"/usr/sbin/{cmd}", f"/usr/bin/{cmd}") if os.access(p, os.X_OK)), None)
 
@@ -145,6 +149,7 @@ class Cluster:
     def __init__(self, n: int, given: dict, log_level: str, allocator: str):
         self.n, self.log_level, self.allocator = n, log_level, allocator
         self.host, self.port = given.pop("host", "127.0.0.1"), given.pop("port", 8000)
+        given.pop("replica_name", None)  # each replica is named by its own port (hostname:port)
         self.dir = tempfile.mkdtemp(prefix="linstream-cluster-")
         self.redis = None
         store = given.pop("store", None)
@@ -156,10 +161,11 @@ class Cluster:
         self.store = store
         if "threads" not in given:  # the machine's cores shared out (each replica also keeps one for its event loop)
             given["threads"] = max(1, (os.cpu_count() or 2) // n - 1)
-        given.setdefault("drain_notice_s", 1.5)  # three health checks: HAProxy marks it down first
+        given.setdefault("drain_notice_s", 1.5)  # three of HAProxy's checks: it marks the replica down after two
         self.env = {**os.environ, **{f"LINSTREAM_{k.upper()}": json.dumps(v) if isinstance(v, list) else str(v)
                                       for k, v in given.items()}}
         self.procs: list[subprocess.Popen | None] = [None] * n
+        self.started = [0.0] * n  # when each replica was last started (a crashing one waits RESTART_S)
         self.haproxy = None
 
     def replica_port(self, i: int) -> int:
@@ -169,6 +175,7 @@ class Cluster:
         args = [sys.executable, "-m", "linstream", "serve", "--host", "127.0.0.1", "--port", str(self.replica_port(i)),
                 "--log-level", self.log_level, "--allocator", self.allocator]
         self.procs[i] = subprocess.Popen(args, env={**self.env, "LINSTREAM_STORE": self.store})  # no password in ps
+        self.started[i] = time.monotonic()
         return self.procs[i]
 
     def start(self) -> None:
@@ -184,16 +191,19 @@ class Cluster:
         bind = f"{'[' + self.host + ']' if ':' in self.host else self.host}:{self.port}"
         cfg.write_text(haproxy_config([(f"r{i}", f"127.0.0.1:{self.replica_port(i)}") for i in range(self.n)], bind))
         self.haproxy = subprocess.Popen([exe, "-f", str(cfg), "-db"])
-        if not _up(f"http://127.0.0.1:{self.port}/health", self.haproxy, 10):
+        local = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else bind.rsplit(":", 1)[0]
+        if not _up(f"http://{local}:{self.port}/health", self.haproxy, 10):
             raise SystemExit(f"HAProxy did not come up on port {self.port} (config: {cfg})")
+        store = re.sub(r"//[^/@]*@", "//***@", self.store)  # no password in the log
         print(f"linstream: {self.n} replicas on ports {self.replica_port(0)}-{self.replica_port(self.n - 1)}, "
-              f"HAProxy on http://{bind}, store {self.store}", flush=True)
+              f"HAProxy on http://{bind}, store {store}", flush=True)
 
     def watch(self, stopping) -> None:
         """Start again any replica that exits, until `stopping()`."""
         while not stopping():
             for i, p in enumerate(self.procs):
-                if p is not None and p.poll() is not None and not stopping():
+                if p is not None and p.poll() is not None and not stopping() \
+                        and time.monotonic() - self.started[i] > RESTART_S:
                     print(f"linstream: replica {i} exited ({p.returncode}); starting it again", file=sys.stderr, flush=True)
                     self.start_replica(i)
             if self.haproxy is not None and self.haproxy.poll() is not None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -38,9 +40,26 @@ def cluster():
 
 @pytest.fixture
 def up(cluster):
-    """The cluster with all three replicas serving (a test may have killed one)."""
+    """The cluster with all three replicas serving."""
     assert cluster.wait_replicas(), "a replica did not come back"
     return cluster
+
+
+def live(cluster, n: int, within: float = 120) -> LocalCluster:
+    """The cluster once at least n replicas answer /health."""
+    deadline = time.time() + within
+    while sum(_healthy(cluster.replica_url(i)) for i in range(cluster.n)) < n:
+        assert time.time() < deadline, f"fewer than {n} replicas serve"
+        time.sleep(0.2)
+    time.sleep(1.2)  # HAProxy's two passing checks (rise 2) for one that just came back
+    return cluster
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def single(calls):
@@ -122,46 +141,6 @@ def _stream_tokens(c: httpx.Client, sid: str, n: int, stop_after: int | None = N
     return tokens, where
 
 
-def test_a_killed_replicas_session_goes_on_elsewhere_at_its_last_acknowledged_token(up):
-    prompt = "It was the best of times"
-
-    async def on_single(c):
-        sid = (await c.post("/v1/sessions", json={"prompt": prompt})).json()["id"]
-        first = (await c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, **GREEDY})).json()["tokens"]
-        second = (await c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 12, **GREEDY})).json()["tokens"]
-        return first, second
-    want_first, want_second = single(on_single)
-
-    killed = []
-    with httpx.Client(base_url=up.url, timeout=30) as c:
-        sid = c.post("/v1/sessions", json={"prompt": prompt}).json()["id"]
-        first = c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, **GREEDY})
-        assert first.json()["tokens"] == want_first
-        acknowledged = c.get(f"/v1/sessions/{sid}").json()["position"]
-
-        def kill(where):
-            killed.append(where)
-            up.signal(up.index_of(where), signal.SIGKILL)
-            killed.append(time.time())
-        cut, _ = _stream_tokens(c, sid, 3000, stop_after=10, on_stop=kill)
-        assert cut == want_second[:10]
-        while True:  # the proxy may answer 502 for a request that reached the dying process
-            try:
-                r = c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 12, **GREEDY})
-                if r.status_code == 200:
-                    break
-                assert r.status_code in (502, 503, 409), r.text
-            except httpx.TransportError:
-                pass
-            assert time.time() - killed[1] < 10, "no replica took the session over"
-            time.sleep(0.05)
-        # nothing of the cut stream was acknowledged: it is generated again, from the same state
-        assert r.headers["x-linstream-replica"] != killed[0]
-        assert r.json()["tokens"] == want_second
-        assert c.get(f"/v1/sessions/{sid}").json()["position"] == acknowledged + 12
-        assert c.get(f"/v1/sessions/{sid}/history").json()["tokens"][-17:] == want_first + want_second
-
-
 def test_sigterm_drains_a_replica_health_first_then_its_streams_finish(up):
     with httpx.Client(base_url=up.url, timeout=60) as c:
         made = [c.post("/v1/sessions", json={"prompt": f"Drain me {k}"}) for k in range(12)]
@@ -202,6 +181,47 @@ def test_sigterm_drains_a_replica_health_first_then_its_streams_finish(up):
         assert r.json()["position"] == sessions[sid][1] + len(events) - 1 and r.headers["x-linstream-replica"] != home
 
 
+def test_a_killed_replicas_session_goes_on_elsewhere_at_its_last_acknowledged_token(cluster):
+    up = live(cluster, 2)  # the replica drained above may still be starting again
+    prompt = "It was the best of times"
+
+    async def on_single(c):
+        sid = (await c.post("/v1/sessions", json={"prompt": prompt})).json()["id"]
+        first = (await c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, **GREEDY})).json()["tokens"]
+        second = (await c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 12, **GREEDY})).json()["tokens"]
+        return first, second
+    want_first, want_second = single(on_single)
+
+    killed = []
+    with httpx.Client(base_url=up.url, timeout=30) as c:
+        sid = c.post("/v1/sessions", json={"prompt": prompt}).json()["id"]
+        first = c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, **GREEDY})
+        assert first.json()["tokens"] == want_first
+        acknowledged = c.get(f"/v1/sessions/{sid}").json()["position"]
+
+        def kill(where):
+            killed.append(where)
+            up.signal(up.index_of(where), signal.SIGKILL)
+            killed.append(time.time())
+        cut, _ = _stream_tokens(c, sid, 3000, stop_after=10, on_stop=kill)
+        assert cut == want_second[:10]
+        while True:  # the proxy may answer 502 for a request that reached the dying process
+            try:
+                r = c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 12, **GREEDY})
+                if r.status_code == 200:
+                    break
+                assert r.status_code in (502, 503, 409), r.text
+            except httpx.TransportError:
+                pass
+            assert time.time() - killed[1] < 10, "no replica took the session over"
+            time.sleep(0.05)
+        # nothing of the cut stream was acknowledged: it is generated again, from the same state
+        assert r.headers["x-linstream-replica"] != killed[0]
+        assert r.json()["tokens"] == want_second
+        assert c.get(f"/v1/sessions/{sid}").json()["position"] == acknowledged + 12
+        assert c.get(f"/v1/sessions/{sid}/history").json()["tokens"][-17:] == want_first + want_second
+
+
 def _events(c: httpx.Client, sid: str, n: int, on_token=None) -> list[dict]:
     """A greedy stream's token events then its done event (`on_token(count)` after each token)."""
     out = []
@@ -213,3 +233,17 @@ def _events(c: httpx.Client, sid: str, n: int, on_token=None) -> list[dict]:
                 if on_token and "token" in out[-1]:
                     on_token(len(out))
     return out
+
+
+def test_sigterm_stops_the_replicas_haproxy_and_redis(cluster):
+    """Last in the module: it stops the module's cluster."""
+    root, deadline = cluster.proc.pid, time.time() + 10
+    while len(children := Path(f"/proc/{root}/task/{root}/children").read_text().split()) < 5:
+        assert time.time() < deadline  # the killed replica is started again at once
+        time.sleep(0.1)
+    children = [int(p) for p in children]  # three replicas, HAProxy, redis-server
+    cluster.proc.send_signal(signal.SIGTERM)
+    assert cluster.proc.wait(90) == 0
+    for pid in children:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # gone (and reaped: the cluster waited for each)
