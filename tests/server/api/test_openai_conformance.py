@@ -152,8 +152,6 @@ def test_penalties_and_bias_deterministic_and_independent_of_neighbours(client, 
 
 
 @pytest.mark.parametrize("path,body,field", [
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
 ])
