@@ -204,7 +204,7 @@ def cold_start(a, ckpt: Path, gguf: Path, server: Path, workdir: Path) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2, help="times each question is asked of both, alternating")
+    ap.add_argument("--rounds", type=int, default=3, help="times each question is asked of both, alternating")
     ap.add_argument("--tokens", type=int, default=128, help="tokens per streamed generation")
     ap.add_argument("--levels", type=int, nargs="+", default=[8, 64], help="concurrent clients")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per HTTP measurement")
