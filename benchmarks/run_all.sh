@@ -20,6 +20,8 @@ model() {  # in-process: the model, its kernels, its step, sampling, snapshots
   python -m benchmarks.model.own_gemm --inductor # model/own_gemm.json
   python -m benchmarks.model.lowp_matmul --bpb   # model/lowp_matmul.json
   python -m benchmarks.model.sampler --reps 7    # model/sampler.txt
+  python -m benchmarks.model.grammar_libs        # model/grammar_libs.json (pip install llguidance xgrammar outlines-core)
+  python -m benchmarks.model.constrained         # model/constrained.json
   python -m benchmarks.model.snapshots           # model/snapshots.json (in-process and over each store)
   # On a machine with a CUDA device (results under $OUT, default /tmp/gpu_check, not here):
   #   bash benchmarks/model/gpu_check.sh         # the CUDA tests, then benchmarks.model.gpu_decode
