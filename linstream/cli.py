@@ -117,10 +117,12 @@ def serve(
     logging.getLogger("linstream").addHandler(handler)
     logging.getLogger("linstream").setLevel(log_level.upper())
 
+    from linstream.server.core.settings import Settings
+    from linstream.server.engine.loading import check_checkpoints
+    settings = Settings(**given)
+    check_checkpoints(settings)  # a checkpoint that cannot be served: one line and exit 1, before the server starts
     from linstream.server.api.connections import fd_headroom, protocol
     from linstream.server.app import create_app
-    from linstream.server.core.settings import Settings
-    settings = Settings(**given)
     app = create_app(settings)
 
     class Server(uvicorn.Server):

@@ -20,8 +20,17 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
+from .checkpoint import (
+    MAX_TOKENIZER_BYTES,
+    PICKLED,
+    CheckpointDir,
+    CheckpointError,
+    check_depth,
+    check_shapes,
+    load_weights,
+    parameters_on_meta,
+)
 from .compiled.lowp import to_weights
 from .config import ModelConfig
 from .lm import LM
@@ -30,11 +39,7 @@ from .mixers.fla_rwkv6 import ffn_width
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
-
-
-class CheckpointError(ValueError):
-    """A directory that cannot be served; the message says why and, where it can, what to do."""
+__all__ = ["DTYPES", "PICKLED", "CheckpointError", "check_checkpoint", "hf_config", "is_hf", "load_checkpoint"]
 
 
 def is_hf(path: Path) -> bool:
@@ -49,12 +54,32 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
                     weights: str = "float32") -> tuple[LM, Tokenizer]:
     """The model and tokenizer in `path` (either layout), weights moved to `device` and cast to
     `dtype` (one of DTYPES), then its projections held as `weights` (model/compiled/lowp.py: "int8" on CPU
-    with float32 dtype only). The state stays float32 whatever the dtype (see LM.init_state)."""
-    path = Path(path)
+    with float32 dtype only). The state stays float32 whatever the dtype (see LM.init_state).
+    Everything in the directory is checked before it is used (check_checkpoint): a checkpoint
+    whose config, weights or tokenizer do not agree is refused with a CheckpointError naming why."""
+    model, stored, tok = _prepare(path, device, dtype, weights)
+    # the fingerprint names the checkpoint, as its float32 weights: a snapshot moves between servers
+    # of one checkpoint on any device or dtype (their states are all float32) and continues
+    # within the lower precision's tolerance
+    cfg = model.cfg
+    target = DTYPES[dtype] if device == "cpu" else torch.float32
+    model._fingerprint = load_weights(model, stored, target, ("head.weight", "embed.weight") if cfg.tie_embeddings
+                                      else None, cfg.to_json())[:32]
+    return to_weights(model.to(device=device, dtype=DTYPES[dtype]).eval(), weights), tok
+
+
+def check_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32", weights: str = "float32") -> None:
+    """What load_checkpoint checks before it maps a weight: the options, config.json against the
+    tensors' shapes in the safetensors headers, the tokenizer against the vocabulary. Raises
+    CheckpointError; reads no weights and allocates nothing large."""
+    _prepare(path, device, dtype, weights)
+
+
+def _prepare(path, device: str, dtype: str, weights: str):
+    """(the model with its parameters on the meta device, the stored tensors by the model's names,
+    the tokenizer), everything checked."""
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r}; use one of {sorted(DTYPES)}")
-    if dtype != "float32":
-        _check_low_precision(path, dtype)
     if weights != "float32" and (device, dtype) != ("cpu", "float32"):
         raise CheckpointError(f"{weights} weights need device cpu and dtype float32, not {device} {dtype}")
     if device != "cpu":
@@ -62,26 +87,73 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
         if not torch.cuda.is_available() or index >= torch.cuda.device_count():
             raise CheckpointError(f"device {device!r}: no such CUDA device here "
                                   f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} visible)")
-    if is_hf(path):
-        model, tok = load_hf(path)
-    else:
-        model, tok = LM.load(path), Tokenizer(path / "tokenizer.json")
-    # the fingerprint names the checkpoint, taken before the cast: a snapshot moves between servers
-    # of one checkpoint on any device or dtype (their states are all float32) and continues
-    # within the lower precision's tolerance
-    model.fingerprint
-    return to_weights(model.to(device=device, dtype=DTYPES[dtype]).eval(), weights), tok
+    ckpt = CheckpointDir(path)
+    raw = ckpt.json("config.json")
+    if not isinstance(raw, dict):
+        raise CheckpointError("config.json is not a JSON object")
+    hf = "architectures" in raw
+    cfg = hf_config(raw) if hf else _own_config(raw)
+    if dtype != "float32":
+        _check_low_precision(cfg, dtype)
+    stored = ckpt.tensors()
+    if hf:
+        stored = {_rename(k, raw): v for k, v in stored.items()}
+    if cfg.tie_embeddings:
+        stored.pop("head.weight", None)  # the head is the embedding; a saved copy is the same tensor
+    check_depth(cfg.n_layer, stored)
+    with parameters_on_meta():
+        try:
+            model = LM(cfg)
+        except (ValueError, TypeError, AssertionError, RuntimeError) as e:
+            raise CheckpointError(f"config.json describes no model linstream builds: {e}") from None
+    tied = {"head.weight": stored["embed.weight"]} if cfg.tie_embeddings and "embed.weight" in stored else {}
+    check_shapes(model, {**stored, **tied}, f"config.json ({raw['architectures'][0]})" if hf else "config.json")
+    tok = _tokenizer(ckpt, cfg.vocab_size)
+    if hf:
+        tok.eos_ids, tok.bos_id = _special_ids(ckpt, raw, tok)
+    return model, stored, tok
+
+
+def _own_config(raw: dict) -> ModelConfig:
+    try:
+        return ModelConfig.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"config.json is not a linstream config: {e}") from None
+
+
+def _tokenizer(ckpt: CheckpointDir, vocab_size: int) -> Tokenizer:
+    """tokenizer.json, read up to a bound, its ids checked against the model's vocabulary before
+    the tokenizer is built (a table as long as its largest id)."""
+    data = ckpt.read("tokenizer.json", MAX_TOKENIZER_BYTES)
+    if data is None:
+        raise CheckpointError(f"{ckpt.path} has no tokenizer.json")
+    try:
+        spec = json.loads(data)
+        model = spec.get("model") or {}
+        vocab = model.get("vocab") or {}
+        ids = [*(vocab.values() if isinstance(vocab, dict) else range(len(vocab))),
+               *(t["id"] for t in spec.get("added_tokens") or [])]
+    except (ValueError, AttributeError, TypeError, KeyError) as e:
+        raise CheckpointError(f"tokenizer.json is not a tokenizers file: {e!r}") from None
+    bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or i < 0]
+    if bad:
+        raise CheckpointError(f"tokenizer.json has token ids that are not non-negative integers: {bad[:3]}")
+    top = max(ids, default=-1)
+    if top >= vocab_size:
+        raise CheckpointError(f"tokenizer.json has ids up to {top}, beyond the model's vocabulary of {vocab_size}")
+    try:
+        return Tokenizer(ckpt.path / "tokenizer.json", vocab_size=vocab_size, text=data.decode())
+    except Exception as e:  # noqa: BLE001  (the tokenizers library raises plain Exception; ours ValueError)
+        raise CheckpointError(f"tokenizer.json: {e}") from None
 
 
 # fla's layers keep their recurrences, short convolutions and norms in float32 under bfloat16 weights
 FLA_MIXERS = frozenset({"fla-gla", "fla-deltanet", "fla-retnet", "fla-rwkv6", "fla-rwkv6-in", "fla-rwkv7", "fla-rwkv7-in"})
 
 
-def _check_low_precision(path: Path, dtype: str) -> None:
+def _check_low_precision(cfg: ModelConfig, dtype: str) -> None:
     # only the imported architectures' mixers keep their recurrence in float32 under lower-precision
     # weights; the others would compute their state in bfloat16/float16 (or fail on mixed dtypes)
-    cfg = hf_config(_read_json(path / "config.json")) if is_hf(path) else \
-        ModelConfig.from_dict(_read_json(path / "config.json"))
     other = sorted(set(cfg.layer_mixers) - {"mamba", "mamba2", "rwkv4", "rwkv4-in", *FLA_MIXERS})
     if other:
         raise CheckpointError(f"bfloat16/float16 weights are supported for Mamba, Mamba-2, RWKV-4 and fla mixers "
@@ -92,27 +164,6 @@ def _check_low_precision(path: Path, dtype: str) -> None:
         # RWKV-4's residual stream outgrows float16's range in deep models; transformers halves it
         # every few blocks for that (rescale_every), which linstream does not do
         raise CheckpointError("float16 is not supported for RWKV-4 (its hidden state overflows); use bfloat16")
-
-
-def load_hf(path: Path) -> tuple[LM, Tokenizer]:
-    hf = _read_json(path / "config.json")
-    cfg = hf_config(hf)
-    model = LM(cfg)
-    sd = {_rename(k, hf): v for k, v in _read_weights(path).items()}
-    if cfg.tie_embeddings:
-        sd.pop("head.weight", None)  # the head is the embedding; a saved copy is the same tensor
-        if "embed.weight" in sd:
-            sd["head.weight"] = sd["embed.weight"]
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: weights do not match {hf['architectures'][0]} of this config: "
-                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    tok = Tokenizer(path / "tokenizer.json", vocab_size=cfg.vocab_size)
-    if tok.vocab_size > cfg.vocab_size:
-        raise CheckpointError(f"{path}: tokenizer.json has ids up to {tok.vocab_size - 1}, beyond the "
-                              f"model's vocabulary of {cfg.vocab_size}")
-    tok.eos_ids, tok.bos_id = _special_ids(path, hf, tok)
-    return model.eval(), tok
 
 
 def hf_config(hf: dict) -> ModelConfig:
@@ -308,43 +359,21 @@ def _rename(key: str, hf: dict) -> str:
     return key  # left as is: load_state_dict then names it as unexpected
 
 
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(_read_json(index)["weight_map"].values()))
-        return {k: v for s in shards for k, v in load_file(str(path / s)).items()}
-    if (path / "model.safetensors").is_file():
-        return load_file(str(path / "model.safetensors"))
-    pickled = [p.name for pattern in PICKLED for p in path.glob(pattern)]
-    if pickled:
-        raise CheckpointError(
-            f"{path} holds only pickled weights ({', '.join(sorted(pickled))}); linstream loads safetensors "
-            "only, since unpickling can run arbitrary code. Convert it once where you trust the file: "
-            "transformers' AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)")
-    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
-
-
-def _special_ids(path: Path, hf: dict, tok: Tokenizer) -> tuple[frozenset[int], int | None]:
+def _special_ids(ckpt: CheckpointDir, hf: dict, tok: Tokenizer) -> tuple[frozenset[int], int | None]:
     """eos ids (generation stops at any) and the bos id, from config.json, else tokenizer_config.json,
     else special_tokens_map.json (the places transformers reads them from)."""
     def ids(key: str) -> list[int]:
         v = hf.get(f"{key}_token_id")
         if v is not None:
-            return [v] if isinstance(v, int) else list(v)
+            found = [v] if isinstance(v, int) else list(v) if isinstance(v, list) else []
+            if not all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in found):
+                raise CheckpointError(f"config.json: {key}_token_id {v!r} is not a token id of this vocabulary")
+            return found
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
-            t = _read_json(path / name, {}).get(f"{key}_token")
+            t = ckpt.json(name, default={}).get(f"{key}_token")
             t = t.get("content") if isinstance(t, dict) else t
             if isinstance(t, str) and tok.hf.token_to_id(t) is not None:
                 return [tok.hf.token_to_id(t)]
         return []
     eos, bos = ids("eos"), ids("bos")
     return frozenset(eos), (bos[0] if bos else None)
-
-
-def _read_json(p: Path, default=None):
-    if default is not None and not p.is_file():
-        return default
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {p}: {e}") from None

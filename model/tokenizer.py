@@ -38,8 +38,9 @@ class Tokenizer:
     eos_ids: frozenset[int] = frozenset()  # generation stops at any of these (imported checkpoints)
     bos_id: int | None = None
 
-    def __init__(self, path: str | Path, vocab_size: int | None = None):
-        self.hf = HFTokenizer.from_file(str(path))
+    def __init__(self, path: str | Path, vocab_size: int | None = None, text: str | None = None):
+        # text: the file's contents, already read (model/hf.py reads it once, bounded, to check it)
+        self.hf = HFTokenizer.from_str(text) if text is not None else HFTokenizer.from_file(str(path))
         alpha = byte_alphabet()
         vocab = self.hf.get_vocab()
         added = self.hf.get_added_tokens_decoder()  # id -> AddedToken: literal text, not byte-mapped

@@ -10,6 +10,8 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from linstream.model import WEIGHTS
+from linstream.model.hub import is_repo_id
+from linstream.model.hub import resolve as resolve_hub
 
 
 class Settings(BaseSettings):
@@ -148,5 +150,9 @@ class Settings(BaseSettings):
         return self
 
     def checkpoint(self, name: str) -> Path:
+        """A directory, else a shipped model's, else `org/name` from the Hugging Face cache
+        (model/hub.py: the cache only, never the network; CheckpointError where it is not there)."""
         p = Path(name)
-        return p if p.is_dir() else WEIGHTS / name
+        if p.is_dir() or (WEIGHTS / name).is_dir() or not is_repo_id(name):
+            return p if p.is_dir() else WEIGHTS / name
+        return resolve_hub(name)

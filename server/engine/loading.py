@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 
-from linstream.model.hf import CheckpointError, load_checkpoint
+from linstream.model.hf import CheckpointError, check_checkpoint, load_checkpoint
+from linstream.model.hub import is_repo_id
 
 from ..core.metrics import Metrics
 from ..core.settings import Settings
@@ -32,6 +34,38 @@ def auto_threads() -> int:
     return max(1, cpus - 1)
 
 
+def resolve(settings: Settings, name: str) -> Path:
+    """The checkpoint directory of `--model name` (settings.checkpoint: a directory, a shipped
+    model or a Hugging Face cache entry); SystemExit naming why there is none."""
+    try:
+        path = settings.checkpoint(name)
+    except CheckpointError as e:
+        raise SystemExit(f"cannot serve {name}: {e}") from None
+    if not path.is_dir():
+        raise SystemExit(f"no checkpoint for model {name!r} at {path}")
+    return path
+
+
+def served_name(settings: Settings, i: int, name: str, path: Path) -> str:
+    """The API's name for `--model name` (the i-th): its --name, else a Hugging Face cache entry's
+    repository id (not its snapshot's commit), else the directory's name."""
+    if i < len(settings.names):
+        return settings.names[i]
+    return name.partition("@")[0] if is_repo_id(name) and path.parent.name == "snapshots" else path.name
+
+
+def check_checkpoints(settings: Settings) -> None:
+    """Every model's checkpoint checked as load_checkpoint checks it, no weight read (model/hf.py:
+    check_checkpoint): `linstream serve` refuses a bad checkpoint with one line before it starts
+    the server."""
+    for name in settings.models:
+        path = resolve(settings, name)
+        try:
+            check_checkpoint(path, settings.device, settings.dtype, settings.weights)
+        except (CheckpointError, ValueError) as e:
+            raise SystemExit(f"cannot serve {path}: {e}") from None
+
+
 def load_engines(settings: Settings, metrics: Metrics) -> dict[str, Engine]:
     """Served name -> engine, in the order of settings.models (the first is the default).
     A checkpoint that cannot be served stops the server with a message naming it."""
@@ -39,14 +73,12 @@ def load_engines(settings: Settings, metrics: Metrics) -> dict[str, Engine]:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     engines: dict[str, Engine] = {}
     for i, name in enumerate(settings.models):
-        path = settings.checkpoint(name)
-        if not (path / "config.json").is_file():
-            raise SystemExit(f"no checkpoint for model {name!r} at {path}")
+        path = resolve(settings, name)
         try:
             model, tok = load_checkpoint(path, settings.device, settings.dtype, settings.weights)
         except (CheckpointError, ValueError) as e:
             raise SystemExit(f"cannot serve {path}: {e}") from None
-        served = settings.names[i] if i < len(settings.names) else path.name
+        served = served_name(settings, i, name, path)
         if served in engines:
             raise SystemExit(f"two models named {served!r}: give one another name with --name")
         kv = any(b.mixer.time_dims for b in model.blocks)
