@@ -23,6 +23,7 @@ from tests.helpers import ROOT
 pytestmark = pytest.mark.slow
 
 GREEDY = {"temperature": 0, "stream": False}
+SEEDED = {"temperature": 0.8, "top_p": 0.95, "seed": 11, "stream": False}
 
 
 # the shipped model: its chat answers are words (a random tiny model's are runs of newlines,
@@ -125,11 +126,12 @@ def test_a_chat_continues_from_its_prefix_on_whichever_replica_serves_the_next_t
     assert gained == [1, 1, 1]  # turns 2, 3 and 4, each on a replica that had not seen the chat
 
 
-def _stream_tokens(c: httpx.Client, sid: str, n: int, stop_after: int | None = None, on_stop=None):
-    """Stream a greedy generation of n tokens; after `stop_after` tokens call `on_stop(replica)`
-    and stop reading. -> (tokens, the replica that streamed them)."""
+def _stream_tokens(c: httpx.Client, sid: str, n: int, stop_after: int | None = None, on_stop=None, sampling=None):
+    """Stream a generation of n tokens (greedy, or `sampling`); after `stop_after` tokens call
+    `on_stop(replica)` and stop reading. -> (tokens, the replica that streamed them)."""
     tokens = []
-    with c.stream("POST", f"/v1/sessions/{sid}/generate", json={"max_tokens": n, "temperature": 0}) as r:
+    body = {"max_tokens": n, **(sampling or {"temperature": 0}), "stream": True}
+    with c.stream("POST", f"/v1/sessions/{sid}/generate", json=body) as r:
         assert r.status_code == 200, r.read()
         where = r.headers["x-linstream-replica"]
         for line in r.iter_lines():
@@ -188,7 +190,7 @@ def test_a_killed_replicas_session_goes_on_elsewhere_at_its_last_acknowledged_to
     async def on_single(c):
         sid = (await c.post("/v1/sessions", json={"prompt": prompt})).json()["id"]
         first = (await c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, **GREEDY})).json()["tokens"]
-        second = (await c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 12, **GREEDY})).json()["tokens"]
+        second = (await c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 12, **SEEDED})).json()["tokens"]
         return first, second
     want_first, want_second = single(on_single)
 
@@ -203,11 +205,11 @@ def test_a_killed_replicas_session_goes_on_elsewhere_at_its_last_acknowledged_to
             killed.append(where)
             up.signal(up.index_of(where), signal.SIGKILL)
             killed.append(time.time())
-        cut, _ = _stream_tokens(c, sid, 3000, stop_after=10, on_stop=kill)
+        cut, _ = _stream_tokens(c, sid, 3000, stop_after=10, on_stop=kill, sampling=SEEDED)
         assert cut == want_second[:10]
         while True:  # the proxy may answer 502 for a request that reached the dying process
             try:
-                r = c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 12, **GREEDY})
+                r = c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 12, **SEEDED})
                 if r.status_code == 200:
                     break
                 assert r.status_code in (502, 503, 409), r.text
@@ -216,6 +218,7 @@ def test_a_killed_replicas_session_goes_on_elsewhere_at_its_last_acknowledged_to
             assert time.time() - killed[1] < 10, "no replica took the session over"
             time.sleep(0.05)
         # nothing of the cut stream was acknowledged: it is generated again, from the same state
+        # and with the same seed, so the same tokens
         assert r.headers["x-linstream-replica"] != killed[0]
         assert r.json()["tokens"] == want_second
         assert c.get(f"/v1/sessions/{sid}").json()["position"] == acknowledged + 12
