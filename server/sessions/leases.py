@@ -113,6 +113,8 @@ class Leases:
 
     async def _dead(self, holder: str) -> bool:
         """Is the replica `holder` surely gone (see the module doc)?"""
+        if "#" not in holder:  # a replica of a release without registrations: its lease expires instead
+            return False
         url = await self.r.get(f"linstream:replica/{holder}")
         if url is None:
             return True
