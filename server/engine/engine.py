@@ -40,9 +40,9 @@ covers exactly the tokens the client was sent.
 A constrained job (`Job.matcher`, model/constrain.py) draws its tokens among those its grammar
 allows: its row's logits are masked in `_sample`, the matcher takes the sampled token in `_emit`,
 and the masks for the next tokens are computed on a worker thread while the next step runs (the
-grammar library lets go of the GIL), waited for only when those rows are sampled again; masks
-that take less time than the hand-off (a row or two on a small vocabulary) are computed at once,
-on the engine thread (`_next_masks`). Rows without
+grammar library lets go of the GIL), waited for only when those rows are sampled again; the
+masks of a few rows cost less than the hand-off and are computed at once, on the engine thread
+(`_next_masks`). Rows without
 a matcher do none of this; each row's token depends on its own logits, mask and generator only, so
 a constrained row draws the same tokens alone or in any batch. The job ends ("stop") once the
 grammar is complete.
@@ -82,9 +82,10 @@ log = logging.getLogger("linstream.engine")
 PREFILL_SHARE = 0.5  # a prefill slice costs about this fraction of a decode iteration while streams run
 MIN_SLICE = 16  # tokens: a smaller forward pass is mostly fixed cost
 STEP_PREFILL = 4  # tokens: a push this short costs less as compiled steps than as one chunked pass
-# seconds of the engine thread that handing masks to the mask thread costs (waking it, and the GIL
-# going back and forth): a few constrained rows' masks are cheaper computed right away
-HANDOFF_S = 100e-6
+# constrained rows of a step from which their next masks go to the mask thread: handing work over
+# (waking the thread, the GIL going back and forth) costs the engine thread about as much as a few
+# masks of a small vocabulary, and on a loaded machine far more
+MASK_THREAD_ROWS = 4
 
 
 class Engine:
@@ -108,8 +109,7 @@ class Engine:
         self.token_s: float | None = None  # EMA: seconds per token of the slices sized to the budget
         self.sampler = sample  # replaceable, for fault-injection tests
         self.grammars = Grammars(tok, model.cfg.vocab_size)  # compiled off this thread (runtime/constraints.py)
-        self.handoff_s = HANDOFF_S  # masks taking longer than this go to the mask thread (0: all, inf: none)
-        self.mask_s: float | None = None  # EMA: seconds one matcher's next mask takes
+        self.mask_thread_rows = MASK_THREAD_ROWS  # masks of this many rows or more go to the mask thread
         self._masker: threading.Thread | None = None  # started with the first constrained job (_mask_loop)
         self._mask_todo: SimpleQueue = SimpleQueue()  # matchers to refill, for the mask thread; None ends it
         self._mask_done: SimpleQueue = SimpleQueue()  # one item per batch of masks made
@@ -572,15 +572,10 @@ class Engine:
     # ---- constrained rows (model/constrain.py) -------------------------------------------
     def _next_masks(self, matchers: list[Matcher]) -> None:
         """Start computing these matchers' next masks: on the mask thread, beside the next step
-        (the grammar library lets go of the GIL), when they take longer than handing them over
-        does (HANDOFF_S); else here and now."""
-        if not matchers:
-            return
-        if self.mask_s is None or self.mask_s * len(matchers) <= self.handoff_s:
-            t0 = time.perf_counter()
-            _refill(matchers)
-            self.mask_s = ema(self.mask_s, (time.perf_counter() - t0) / len(matchers))
-            return
+        (the grammar library lets go of the GIL), when there are `mask_thread_rows` of them or
+        more; fewer here and now."""
+        if len(matchers) < self.mask_thread_rows:
+            return _refill(matchers)
         if self._masker is None:
             self._masker = threading.Thread(target=self._mask_loop, name=f"masks-{self.name}", daemon=True)
             self._masker.start()
@@ -597,9 +592,7 @@ class Engine:
         """The mask thread: refill each batch of matchers handed over, and say so. Two queues of
         C, not an executor's futures: the hand-off is a small share of a mask's own time."""
         while (matchers := self._mask_todo.get()) is not None:
-            t0 = time.perf_counter()
             _refill(matchers)
-            self.mask_s = ema(self.mask_s, (time.perf_counter() - t0) / len(matchers))  # read after _masks_ready
             self._mask_done.put(None)
 
     def _grammar_failed(self, j: Job) -> bool:

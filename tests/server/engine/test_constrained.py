@@ -60,7 +60,7 @@ def alone(model):
 async def run(model, matcher=None, overlap=True):
     """The free rows and, if given, a constrained one, all at once; -> [(tokens, finish, error)]."""
     eng = Engine("m", model, Tok(), slots=8, prefill_chunk=16, max_batch=8)
-    eng.handoff_s = 0.0 if overlap else float("inf")
+    eng.mask_thread_rows = 1 if overlap else 1 << 30
     eng.start()
     loop = asyncio.get_running_loop()
     try:
