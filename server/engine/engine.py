@@ -96,6 +96,7 @@ class Engine:
         self.stepper = Stepper(model, compile, gemm=gemm, runtime=step_runtime,  # model.step, compiled once warm
                                max_rows=max_batch)  # (model/compiled.py)
         self.pool: State = model.init_state(slots)
+        self.slots = slots
         self.empty = model.init_state(1)
         self.kv = any(self.pool.time_dims)  # some layer keeps a growing KV cache
         self.free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest slot: active rows stay contiguous

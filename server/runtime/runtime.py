@@ -71,7 +71,7 @@ class Runtime:
         self.held = Residency(self.engines, self.records, self.leases, self.metrics)
         self.sessions = self.held.sessions  # held by this process (resident or spilled)
         self.copies = Snapshots(self.engines, self.held, self.records)
-        self.admission = Admission(settings)
+        self.admission = Admission(settings, tenants=len(self.keys.keys))
         self.reuse = PrefixReuse(settings, self.metrics, self.held)
         self.prefixes = self.reuse.prefixes
         tier_url = settings.prefix_tier_url or (settings.store if self.leases else "")
@@ -265,10 +265,10 @@ class Runtime:
             raise APIError(400, "empty_session", "the session holds no tokens yet: push a prompt first")
         eng = self.engines[s.model]
         self.admission.admit(eng, s.owner)
-        self.admission.opened(s.owner)
+        self.admission.opened(eng, s.owner)
 
         def finished(j: Job):  # engine thread
-            self.admission.closed(s.owner, j.emitted)
+            self.admission.closed(eng, s.owner, j.emitted)
             self.usage.add(s.owner, completion_tokens=j.emitted, generations=1)
             if not s.ephemeral:  # the row is final: read it now, saving persist a round trip
                 j.state = eng.read(j.slot)

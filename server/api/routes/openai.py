@@ -337,7 +337,7 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
         return await _run(rt, req, owner, prompts[k // best], want if req.echo else None, lp, k % best, constraint=wanted)
 
     first = await start(0)
-    choices = Choices(start, first, len(prompts) * best, best, rt.settings.choices_at_once)
+    choices = Choices(start, first, len(prompts) * best, best, rt.admission.at_once(first.stream.eng))
     base = {"id": f"cmpl-{first.session.id[5:21]}", "object": "text_completion", "created": int(time.time()),
             "model": first.session.model}
 
@@ -407,7 +407,7 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
         return await _run(rt, req, owner, text, None, lp, k, transcript=True, follow="\n\n", constraint=wanted)
 
     first = await start(0)
-    choices = Choices(start, first, req.n, req.n, rt.settings.choices_at_once)
+    choices = Choices(start, first, req.n, req.n, rt.admission.at_once(first.stream.eng))
     base = {"id": f"chatcmpl-{first.session.id[5:21]}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": first.session.model}
 
