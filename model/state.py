@@ -84,14 +84,16 @@ class State:
                       for i, layer in enumerate(self.layers)],
                      pick(self.position), self.time_dims, pick(self.next_logits))
 
-    def reserve(self, length: int) -> None:
-        """Make every growing (KV) tensor hold at least `length` positions, doubling, so that
-        steps write in place instead of reallocating a row and then the whole batch."""
+    def reserve(self, length: int, most: int | None = None) -> None:
+        """Make every growing (KV) tensor hold at least `length` positions, doubling (to at most
+        `most`, if given), so that steps write in place instead of reallocating a row and then
+        the whole batch."""
         for i, layer in enumerate(self.layers):
             for n, d in self.time_dims[i].items():
                 t = layer[n]
                 if t.shape[d] < length:
-                    grown = t.new_zeros(*t.shape[:d], max(length, 2 * t.shape[d]), *t.shape[d + 1:])
+                    room = 2 * t.shape[d] if most is None else min(2 * t.shape[d], most)
+                    grown = t.new_zeros(*t.shape[:d], max(length, room), *t.shape[d + 1:])
                     grown.narrow(d, 0, t.shape[d]).copy_(t)
                     layer[n] = grown
 

@@ -26,8 +26,10 @@ STATIC = Path(__file__).parent / "api" / "static"
 
 class BodyLimit:
     """413 for request bodies over the limit, declared (Content-Length) or streamed (chunked).
-    State blobs (application/octet-stream) may take `limit`; every other body is JSON, parsed
-    whole on the event loop, so it gets the smaller `json_limit`, sized to the prompt limits."""
+    State blobs (application/octet-stream) may take `limit`, or more where a session can download
+    a larger blob (Runtime.blob_limit: restore takes whatever GET /state hands out); every other
+    body is JSON, parsed whole on the event loop, so it gets the smaller `json_limit`, sized to the
+    prompt limits."""
 
     def __init__(self, app, limit: int, json_limit: int):
         self.app, self.limit, self.json_limit = app, limit, json_limit
@@ -37,10 +39,12 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         blob = headers.get(b"content-type", b"").startswith(b"application/octet-stream")
-        limit = self.limit if blob else self.json_limit
+        rt = getattr(scope["app"].state, "runtime", None)
+        blobs = max(self.limit, getattr(rt, "blob_limit", 0))
+        limit = blobs if blob else self.json_limit
         what = "a state blob" if blob else "a JSON request body"
         message = (f"{what} may hold at most {limit} bytes" +
-                   ("" if blob else f"; state blobs (application/octet-stream) up to {self.limit}"))
+                   ("" if blob else f"; state blobs (application/octet-stream) up to {blobs}"))
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             return await _reject(send, message)

@@ -33,15 +33,25 @@ class Settings(BaseSettings):
     weights: Literal["float32", "int8", "bfloat16"] = "float32"
     max_sessions: int = 1024  # recurrent models: sessions held in memory (state slots)
     max_kv_sessions: int = 4  # KV-cache models: every slot's cache grows to the longest context held
+    # KV-cache models (softmax, hybrid): the cache bytes one session may hold (a push or generation
+    # that would pass it: 413 kv_budget_exceeded), and that a model's slot pool may hold; every
+    # slot's cache is as long as the longest held, so this bounds slots x the longest context (past
+    # it: 507 kv_memory_full). Caches shrink again when their longest session is deleted
+    kv_session_bytes: int = Field(256 << 20, gt=0)
+    kv_total_bytes: int = Field(2 << 30, gt=0)
     max_prompt_tokens: int = 65536  # per create/push/completion request
     # prompt text per request, checked before tokenizing; 0 = 16 bytes per max_prompt_tokens
     max_prompt_bytes: int = 0
     max_new_tokens: int = 4096  # per generate request
+    # tokens a session's history may hold (a push or generation that would pass it: 413
+    # history_too_long); state blobs carry it whole, so the restore limit grows to fit the largest
+    # blob a session can download (Runtime.blob_limit), whatever max_body_bytes says
+    max_history_tokens: int = Field(1 << 22, gt=0)
     # constrained decoding (server/runtime/constraints.py): a schema's or grammar's text is at most
     # grammar_max_bytes, and compiled within grammar_timeout_s seconds, else the request gets a 400
     grammar_max_bytes: int = Field(1 << 16, ge=1)
     grammar_timeout_s: float = Field(5.0, gt=0)
-    max_body_bytes: int = 16 << 20  # state blobs (application/octet-stream)
+    max_body_bytes: int = 16 << 20  # state blobs (application/octet-stream); raised to fit max_history_tokens
     # JSON bodies, parsed whole on the event loop; 0 = room for a prompt of max_prompt_bytes with
     # every byte escaped to 3 (any text but control characters written \u00XX) or for
     # max_prompt_tokens ids of up to 10 digits ("2147483647, "), whichever is more, plus 64 KiB for other fields

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -73,6 +74,7 @@ from linstream.model.sampling import finite_rows, sample
 from linstream.model.state import State
 from linstream.model.tokenizer import Tokenizer
 
+from ..core.errors import APIError
 from .jobs import Job, NonFiniteState, Prefill, PrefillCancelled, logprob_entries, run_all, settle
 from .plan import RowViews, ema, holes_cheap, share_rows, slice_len
 from .rollback import Rollback
@@ -97,6 +99,8 @@ class Engine:
                                max_rows=max_batch)  # (model/compiled.py)
         self.pool: State = model.init_state(slots)
         self.slots = slots
+        self.kv_token_bytes = kv_token_bytes(self.pool)  # a position of one row's KV caches (0: none)
+        self.kv_cap: int | None = None  # positions the pool's KV caches may grow to (settings.kv_total_bytes)
         self.empty = model.init_state(1)
         self.kv = any(self.pool.time_dims)  # some layer keeps a growing KV cache
         self.free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest slot: active rows stay contiguous
@@ -185,6 +189,7 @@ class Engine:
         except asyncio.CancelledError:
             applied = await asyncio.shield(self.call(lambda: self._drop_prefill(job)))
             raise PrefillCancelled(applied) from None
+        job.future = None  # it holds the job as its result: a cycle that would keep job.state until a GC pass
         return job
 
     def submit(self, job: Job) -> None:
@@ -210,6 +215,11 @@ class Engine:
     def alloc(self, state: State | None = None) -> int:
         if not self.free:
             raise RuntimeError("no free slot")
+        if state is not None and self.kv:
+            if self.kv_cap is not None and int(state.position[0]) > self.kv_cap:
+                raise APIError(507, "kv_memory_full", f"this state holds {int(state.position[0])} positions; model "
+                               f"{self.name!r}'s KV caches may hold {self.kv_cap} a slot (kv_total_bytes)")
+            self._fit(time_len(state))
         slot = self.free.pop()
         self.pool.assign([slot], state if state is not None else self.empty)
         return slot
@@ -218,6 +228,26 @@ class Engine:
         self.pool.assign([slot], self.empty)  # nothing of a session outlives it in the pool
         self.free.append(slot)
         self.free.sort(reverse=True)
+        if self.kv:
+            self._shrink()
+
+    def _fit(self, length: int) -> None:
+        """Make the pool's KV caches hold `length` positions, growing by doubling up to `kv_cap`
+        (State.assign, left to itself, would double past it)."""
+        self.pool.reserve(length, most=self.kv_cap)
+
+    def _shrink(self) -> None:
+        """Give back KV-cache room no session needs: once the longest context held takes at most
+        half of the caches' length, cut them to it (to nothing when no slot is held). The memory
+        goes back to the allocator (Runtime.delete then trims the heap)."""
+        cap = time_len(self.pool)
+        held = sorted(set(range(self.slots)) - set(self.free))
+        longest = int(self.pool.position[held].max()) if held else 0
+        if cap <= 2 * longest:
+            return
+        for layer, dims in zip(self.pool.layers, self.pool.time_dims):
+            for n, d in dims.items():
+                layer[n] = layer[n].narrow(d, 0, longest).clone()
 
     def read(self, slot: int) -> State:
         return self.pool.select([slot]).compact()
@@ -343,6 +373,8 @@ class Engine:
             if bad:
                 raise NonFiniteState(f"prefilling these tokens makes the session's state non-finite ({bad} holds "
                                      "NaN or Inf); nothing was applied")
+            if self.kv:
+                self._fit(time_len(new))
             self.pool.assign([job.slot], new)
             if job.logprobs is not None:
                 all_logits = torch.cat([prev[:, None], logits[:, :-1]], 1)[0]  # predicts each chunk token
@@ -436,7 +468,7 @@ class Engine:
         saved = None
         try:
             if self.kv:  # grow the caches once, ahead, so the step writes in place (no row changes)
-                self.pool.reserve(int(self.pool.position[rows].max()) + 1)
+                self._fit(int(self.pool.position[rows].max()) + 1)
             st = self.rows.select(rows, run)
             # the rollback point of every row: a step writes the state in place. It also serves
             # the rows consumed ahead of delivery (lookahead)
@@ -699,3 +731,15 @@ def _refill(matchers: list[Matcher]) -> None:
             m.refill()
         except Exception as e:
             m.error = f"{type(e).__name__}: {e}"
+
+
+def kv_token_bytes(state: State) -> int:
+    """Bytes one position of one row's KV caches takes (0 for a model without them)."""
+    return sum(math.prod(n for k, n in enumerate(layer[name].shape) if k not in (0, d)) * layer[name].element_size()
+               for layer, dims in zip(state.layers, state.time_dims) for name, d in dims.items())
+
+
+def time_len(state: State) -> int:
+    """Positions the KV caches of `state` have room for (0 for a model without them)."""
+    return max((layer[name].shape[d] for layer, dims in zip(state.layers, state.time_dims) for name, d in dims.items()),
+               default=0)

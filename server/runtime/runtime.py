@@ -30,12 +30,14 @@ import time
 
 from linstream.model.constrain import Matcher
 from linstream.model.sampling import SamplingParams
+from linstream.model.snapshot import MAX_HEADER
 
 from ..core.auth import Keys, load_keys
 from ..core.errors import APIError, not_found
+from ..core.heap import Heap
 from ..core.metrics import Metrics
-from ..core.usage import Usage
 from ..core.settings import Settings
+from ..core.usage import Usage
 from ..engine.admission import Admission
 from ..engine.engine import Engine
 from ..engine.jobs import Job, NonFiniteState, PrefillCancelled
@@ -67,6 +69,11 @@ class Runtime:
                              settings.replica_alive_s, self.metrics) if settings.store.startswith(("redis", "unix")) else None
         self.engines: dict[str, Engine] = load_engines(settings, self.metrics)
         self.default = next(iter(self.engines))
+        for e in self.engines.values():  # KV caches: the positions the pool may grow to
+            if e.kv_token_bytes:
+                e.kv_cap = settings.kv_total_bytes // (e.slots * e.kv_token_bytes)
+        self.blob_limit = self._blob_limit()
+        self.heap = Heap()
         self.records = Records(self.store, self.engines, settings, self.metrics, self.leases)
         self.held = Residency(self.engines, self.records, self.leases, self.metrics)
         self.sessions = self.held.sessions  # held by this process (resident or spilled)
@@ -221,6 +228,7 @@ class Runtime:
         """Advance the session over ids (chunked prefill, interleaved with others' decode), then
         persist it. -> (ms the prefill took, its engine job or None)."""
         eng = self.engines[s.model]
+        self.room(s, len(ids), "push")
         t0 = time.perf_counter()
         try:
             job = await eng.prefill(s.slot, ids, logprobs, read=not s.ephemeral, owner=s.owner) if ids else None
@@ -240,6 +248,8 @@ class Runtime:
         ms = 1000 * (time.perf_counter() - t0)
         try:
             await self.held.persist(s, job and job.state, finite=job is not None)
+            if job is not None:
+                job.state = None  # written: a KV cache's copy must not outlive the request
         except StoreUnavailable as e:
             raise StoreUnavailable(f"{e}; the {len(ids)} tokens were applied: the session is at position {s.position} "
                                    "in this server's memory and is written to the store when it is back") from None
@@ -264,6 +274,7 @@ class Runtime:
         if s.position == 0:
             raise APIError(400, "empty_session", "the session holds no tokens yet: push a prompt first")
         eng = self.engines[s.model]
+        self.room(s, params.max_tokens, "generation")
         self.admission.admit(eng, s.owner)
         self.admission.opened(eng, s.owner)
 
@@ -297,6 +308,7 @@ class Runtime:
                 job.state = await st.eng.call(lambda: st.eng.put_back(s.slot, row, read=not s.ephemeral))
                 del s.tokens[n:]
             await self.held.persist(s, job.state)
+            job.state = None  # written: a KV cache's copy must not outlive the request
             if s.id in self.reuse.turns and job.finish != "error":
                 await self.reuse.cache_turn(s, st.eng, job)
                 if self.prefixes.tier is not None:  # in Redis before the answer ends: the next turn may go elsewhere
@@ -344,3 +356,38 @@ class Runtime:
     async def delete(self, s: Session) -> None:
         self.reuse.turns.pop(s.id, None)
         await self.held.delete(s)
+        if self.engines[s.model].kv_token_bytes:  # its KV cache may have been the longest: room given back
+            await asyncio.to_thread(self.heap.trim)
+
+    # ---- budgets -------------------------------------------------------------------------
+    def room(self, s: Session, more: int, what: str) -> None:
+        """Refuse, before any work, a push or generation of up to `more` tokens that would take the
+        session past its history limit or, on a KV-cache model, past its KV byte budgets."""
+        cfg, eng = self.settings, self.engines[s.model]
+        if len(s.tokens) + more > cfg.max_history_tokens:
+            raise APIError(413, "history_too_long", f"this {what} of up to {more} tokens would take the session's history "
+                           f"past max_history_tokens={cfg.max_history_tokens} (it holds {len(s.tokens)}); "
+                           "continue in a new session")
+        per = eng.kv_token_bytes
+        if not per:
+            return
+        pos = s.position + more
+        if pos * per > cfg.kv_session_bytes:
+            raise APIError(413, "kv_budget_exceeded", f"this {what} of up to {more} tokens would give the session a KV "
+                           f"cache of {pos} positions ({pos * per} bytes), past kv_session_bytes="
+                           f"{cfg.kv_session_bytes} ({cfg.kv_session_bytes // per} positions of model {eng.name!r}); "
+                           "send fewer tokens or continue in a new session")
+        if pos > eng.kv_cap:
+            raise APIError(507, "kv_memory_full", f"this {what} of up to {more} tokens would need {pos} positions of KV "
+                           f"cache; model {eng.name!r} holds at most {eng.kv_cap} a slot (kv_total_bytes="
+                           f"{cfg.kv_total_bytes} over its {eng.slots} slots, each as long as the longest)",
+                           headers={"Retry-After": "1"})
+
+    def _blob_limit(self) -> int:
+        """The largest state blob a session here can download (GET /state), so that restore takes
+        whatever was handed out: the largest state (a KV cache at its session budget) and a history
+        of max_history_tokens (int64 each), beside the safetensors header (at most MAX_HEADER)."""
+        cfg = self.settings
+        state = max(e.empty.row_nbytes() + min(cfg.kv_session_bytes, e.kv_token_bytes * (cfg.max_history_tokens + 1))
+                    for e in self.engines.values())
+        return state + 8 * (cfg.max_history_tokens + 1) + MAX_HEADER
