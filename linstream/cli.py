@@ -147,7 +147,8 @@ def serve(
 
     conns = fd_headroom(settings.max_connections)
     Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
-                          http=protocol(settings.header_timeout, conns, settings.max_header_bytes), timeout_keep_alive=settings.keep_alive_timeout,
+                          http=protocol(settings.header_timeout, conns, settings.max_header_bytes,
+                                        min(1.0, settings.keep_alive_timeout)), timeout_keep_alive=settings.keep_alive_timeout,
                           timeout_graceful_shutdown=settings.graceful_shutdown_s)).run()
 
 

@@ -22,6 +22,11 @@ from .runtime.runtime import Runtime
 # The playground page: static files shipped with the package, public like any page (they hold no
 # data); the API calls it makes carry the key the user types in.
 STATIC = Path(__file__).parent / "api" / "static"
+# It holds a key box: no other site may frame it (clickjacking), and it runs only its own scripts
+# and talks only to this server, so injected markup can neither run code nor send the key away.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+                "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+                "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
 
 
 class BodyLimit:
@@ -138,7 +143,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(r)
     app.openapi = lambda: _openapi(app)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    app.add_api_route("/", lambda: FileResponse(STATIC / "index.html"), include_in_schema=False)
+    app.add_api_route("/", lambda: FileResponse(STATIC / "index.html", headers=PAGE_HEADERS), include_in_schema=False)
     app.add_middleware(HotRoutes)  # innermost: inside the body's limits
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, json_limit=settings.max_json_bytes)
     app.add_middleware(BodyTimeout, timeout=settings.body_timeout)

@@ -6,6 +6,10 @@ on a request that is begun and never finished, nor on a connection that never se
 each such one holds a file descriptor for ever, and enough of them starve /healthz and the
 store (which opens files too). The header timeout and the connection bound live in the HTTP
 protocol (uvicorn's httptools one, subclassed), the body timeout in an ASGI middleware.
+
+The protocol also answers for the server while it drains (SIGTERM): uvicorn closes an idle
+keep-alive connection at once, so a request its client sends at that moment meets a closed
+socket; here such a connection stays open a moment longer and answers 503 with Retry-After.
 """
 from __future__ import annotations
 
@@ -21,15 +25,20 @@ from ..core.errors import body, reply
 log = logging.getLogger("linstream")
 
 
-def protocol(header_timeout: float, max_connections: int, max_header_bytes: int = 64 << 10) -> type[HttpToolsProtocol]:
+def protocol(header_timeout: float, max_connections: int, max_header_bytes: int = 64 << 10,
+             drain_linger: float = 1.0) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol, closing a connection whose request line and headers have
     not all arrived `header_timeout` seconds after it opened or its last response ended, or
     run past `max_header_bytes` (431; httptools keeps a header of any size), and answering 503
-    to (and closing) a connection beyond `max_connections`."""
+    to (and closing) a connection beyond `max_connections`. On shutdown an idle connection is
+    closed after `drain_linger` seconds, and a request arriving on it meanwhile gets 503."""
 
     class Protocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None  # set while a request's headers are awaited
-        _header_bytes = 0
+        _header_bytes = 0  # bytes received while headers were awaited (headers sent slowly)
+        _parsed = 0  # bytes of this request's line and headers, as parsed (headers sent at once)
+        _refused = False  # answered from here: what the parser still finds of the request is dropped
+        _draining = False  # the server is shutting down
 
         def connection_made(self, transport):
             super().connection_made(transport)
@@ -70,9 +79,51 @@ def protocol(header_timeout: float, max_connections: int, max_header_bytes: int 
             if not self.transport.is_closing():
                 self.transport.close()
 
+        def on_message_begin(self):
+            super().on_message_begin()
+            self._parsed = 0
+
+        def on_url(self, url):
+            self._parsed += len(url)
+            super().on_url(url)
+
+        def on_header(self, name, value):
+            self._parsed += len(name) + len(value) + 4  # ": " and CRLF
+            super().on_header(name, value)
+
         def on_headers_complete(self):
             self._cancel_header_timer()
+            if self._parsed > max_header_bytes:  # however it arrived: a whole request in one read too
+                self._refused = True
+                return self._refuse(431, b"Request Header Fields Too Large", "headers_too_large",
+                                    f"request line and headers exceed {max_header_bytes} bytes")
+            if self._draining:
+                self._refused = True
+                return self._refuse(503, b"Service Unavailable", "shutting_down",
+                                    "the server is shutting down; retry on another replica or after restart")
             super().on_headers_complete()
+
+        def on_body(self, body):
+            if not self._refused:
+                super().on_body(body)
+
+        def on_message_complete(self):
+            if not self._refused:
+                super().on_message_complete()
+
+        def shutdown(self):
+            """SIGTERM. A connection mid-request closes once its response is sent (uvicorn's way);
+            an idle one stays open `drain_linger` seconds, so that a request its client has
+            already sent gets 503 and Retry-After (on_headers_complete) rather than a reset."""
+            if self.cycle is not None and not self.cycle.response_complete:
+                return super().shutdown()
+            self._draining = True
+            self._cancel_header_timer()
+            self.loop.call_later(drain_linger, self._close_idle)
+
+        def _close_idle(self):
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self.transport.close()
 
         def on_response_complete(self):
             super().on_response_complete()

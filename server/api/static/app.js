@@ -297,11 +297,14 @@ function on(id, fn) {
   $(id).addEventListener("submit", (e) => { e.preventDefault(); act(fn); });
 }
 
-on("key-form", async () => {
+// The key box is no form (nothing for a browser to offer to save): the button or Enter uses the key.
+async function useKey() {
   auth.key = $("key").value.trim();
   $("key-state").textContent = auth.key ? "key set (kept in this page only)" : "no key";
   await loadModels();
-});
+}
+$("use-key").addEventListener("click", () => act(useKey));
+$("key").addEventListener("keydown", (e) => { if (e.key === "Enter") { e.preventDefault(); act(useKey); } });
 on("start-form", startSession);
 on("gen-form", generate);
 on("push-form", pushText);
