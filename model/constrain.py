@@ -5,10 +5,11 @@ llguidance (`python -m benchmarks.model.grammar_libs` compares it with xgrammar 
     grammars = Grammars(tok, V)            one per tokenizer: llguidance's view of the vocabulary
     m = grammars.compile(kind, text)       -> Matcher, its first mask computed (can take a while:
                                               call it off the engine thread)
-    m.banned                               (V,) numpy bool: the tokens the grammar does not allow next
+    m.mask                                 (V,) float32, added to the logits: 0 where the grammar
+                                              allows a token next, -inf where it does not
     m.take(token) -> ended                 consume a sampled token; True once the grammar is complete
-    m.refill()                             the next `banned` (drops the GIL while it works)
-    sample(logits, ..., masks=[m.banned])  model/sampling.py: a masked row draws among allowed tokens
+    m.refill()                             the next `mask` (drops the GIL while it works)
+    sample(logits, ..., masks=[m.mask])    model/sampling.py: a masked row draws among allowed tokens
 
 Where the grammar may end: a tokenizer with an end-of-text token (imported checkpoints) has it
 allowed there, and sampling it ends the generation ("stop"). The shipped tokenizers have none, so
@@ -43,6 +44,9 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 STEP_LEXER_FUEL = 100_000
 STEP_MAX_ITEMS = 20_000
 CACHED = 64  # compiled grammars kept per tokenizer (a prototype each, copied per generation)
+# llguidance's byte per token (0: banned, else allowed) -> what is added to that token's logit
+TO_MASK = np.zeros(256, np.float32)
+TO_MASK[0] = -np.inf
 
 
 class GrammarError(ValueError):
@@ -55,17 +59,17 @@ class Matcher:
 
     def __init__(self, ll: llg.LLMatcher, vocab: int):
         self.ll, self.vocab = ll, vocab
-        self.banned: np.ndarray | None = None  # (V,) bool, once refilled
+        self.mask: np.ndarray | None = None  # (V,) float32, 0 or -inf, once refilled
         self.ended = ll.is_stopped()
         self.error: str | None = None
 
     def copy(self) -> Matcher:
         m = Matcher(self.ll.deep_copy(), self.vocab)
-        m.banned, m.ended, m.error = self.banned, self.ended, self.error
+        m.mask, m.ended, m.error = self.mask, self.ended, self.error
         return m
 
     def refill(self) -> None:
-        """Compute the tokens banned next (llguidance drops the GIL while it works). A grammar in
+        """Compute the next mask (llguidance drops the GIL while it works). A grammar in
         an error state, or one that allows no token of the model although it may not end, sets
         `error`."""
         if self.ended or self.error:
@@ -78,7 +82,7 @@ class Matcher:
                 self.ended = True
             else:
                 self.error = "the grammar allows no token of this model here"
-        self.banned = np.frombuffer(allowed, np.uint8, count=self.vocab) == 0
+        self.mask = TO_MASK.take(np.frombuffer(allowed, np.uint8, count=self.vocab))
 
     def take(self, token: int) -> bool:
         """Consume a sampled token; -> whether the grammar is complete (nothing else may follow)."""
@@ -88,8 +92,13 @@ class Matcher:
         self.ended = self.ll.is_stopped()
         return self.ended
 
+    @property
+    def banned(self) -> np.ndarray:
+        """(V,) bool: the tokens the grammar does not allow next."""
+        return self.mask < 0
+
     def allows(self, token: int) -> bool:
-        return self.banned is None or not self.banned[token]
+        return self.mask is None or self.mask[token] == 0
 
 
 class Grammars:

@@ -131,7 +131,7 @@ class Generation:
             self.finish_reason = "stop"
             return
         for _ in range(self.params.max_tokens):
-            masks = None if m is None else [m.banned]
+            masks = None if m is None else [m.mask]
             t = sample(self.state.next_logits, [self.params], [g], [counts], masks)  # (1,)
             _, self.state = decode_one_token(self.model, t, self.state)
             token = int(t)

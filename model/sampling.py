@@ -163,8 +163,8 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
            counts: list[Mapping[int, int]] | None = None, masks: list[np.ndarray | None] | None = None) -> Tensor:
     """One token per row. Greedy rows take the argmax; others invert the CDF (in vocabulary order)
     at a uniform drawn from the row's generator. `counts`: per row, how often it generated each
-    token (penalties). `masks`: per row, None or the tokens it may not draw, (V,) numpy bool (a
-    grammar's, model/constrain.py); such a row draws from its logits with those set to -inf. -> (B,) int64
+    token (penalties). `masks`: per row, None or what a grammar (model/constrain.py) adds to its
+    logits, (V,) numpy float32: 0 where a token is allowed, -inf where it is not. -> (B,) int64
 
     The draw is `reference_draw`'s, token for token, whatever the batch; `_fast_draw` finds it
     without a sort for rows without filters."""
@@ -172,26 +172,28 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
         logits = adjust_logits(logits, params, counts or [{}] * len(params))
     masked = [i for i, m in enumerate(masks or ()) if m is not None]
     if masked:
-        logits = banned_to_inf(logits, masked, [masks[i] for i in masked])
+        logits = masked_logits(logits, masked, [masks[i] for i in masked])
     out = _sample(logits, params, generators)
     drawn = out.numpy() if out.device.type == "cpu" else out.cpu().numpy()
     for i in masked:  # a uniform of exactly 0 lands on the row's first token, whatever its weight
-        if masks[i][drawn[i]]:
+        if masks[i][drawn[i]] < 0:
             out[i] = logits[i].argmax()
     return out
 
 
-def banned_to_inf(logits: Tensor, rows: list[int], banned: list[np.ndarray]) -> Tensor:
-    """A copy of logits (B, V) with each of `rows` set to -inf where its mask (V,) bool is True;
-    the other rows as they were. numpy on the CPU: a fraction of torch's per-call cost at one row."""
+def masked_logits(logits: Tensor, rows: list[int], masks: list[np.ndarray]) -> Tensor:
+    """A copy of logits (B, V) with each of `rows` plus its mask (V,) (0 or -inf); the other rows
+    as they were. numpy on the CPU: a fraction of torch's per-call cost at one row."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        if len(logits) == 1:
+            return torch.from_numpy(logits.detach().numpy() + masks[0])
         x = logits.detach().numpy().copy()
-        for i, b in zip(rows, banned):
-            x[i][b] = -np.inf
+        for i, m in zip(rows, masks):
+            x[i] += m
         return torch.from_numpy(x)
     out = logits.float().clone()
-    for i, b in zip(rows, banned):
-        out[i].masked_fill_(torch.from_numpy(b).to(out.device), float("-inf"))
+    for i, m in zip(rows, masks):
+        out[i] += torch.from_numpy(m).to(out.device)
     return out
 
 

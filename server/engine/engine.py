@@ -638,7 +638,7 @@ class Engine:
         failure the rows are sampled one by one: `sample` draws from the generators only after
         everything that can fail, so the others draw exactly what they would have in the batch.
         `constrained`: some job has a matcher, whose mask its row is sampled under."""
-        masks = {"masks": [j.matcher and j.matcher.banned for j in jobs]} if constrained else {}
+        masks = {"masks": [j.matcher and j.matcher.mask for j in jobs]} if constrained else {}
         try:
             return self.sampler(logits, [j.params for j in jobs], [j.gen for j in jobs], [j.counts for j in jobs],
                                 **masks).tolist()
@@ -649,7 +649,7 @@ class Engine:
         out = []
         for i, j in enumerate(jobs):
             try:
-                one = {"masks": [j.matcher.banned]} if j.matcher is not None else {}
+                one = {"masks": [j.matcher.mask]} if j.matcher is not None else {}
                 out.append(int(self.sampler(logits[i:i + 1], [j.params], [j.gen], [j.counts], **one)[0]))
             except Exception as e:
                 self._fail(j, f"sampling failed: {type(e).__name__}: {e}")

@@ -34,13 +34,13 @@ def test_a_masked_row_draws_only_allowed_tokens_whatever_its_filters(grammars):
         for _ in range(50):
             logits = torch.randn(1, V) * 4
             gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,), generator=g)))
-            assert int(sample(logits, [params], [gen], masks=[m.banned])[0]) in allowed
+            assert int(sample(logits, [params], [gen], masks=[m.mask])[0]) in allowed
 
 
 def test_masked_and_free_rows_draw_alone_what_they_draw_in_a_batch(grammars):
     """A row's token depends on its own logits, mask and generator only."""
-    masks = [grammars.compile("regex", "[a-z ]+").banned, None, grammars.compile("json_schema", '{"type": "object"}').banned,
-             None, grammars.compile("choice", json.dumps(["yes", "no"])).banned, None]
+    masks = [grammars.compile("regex", "[a-z ]+").mask, None, grammars.compile("json_schema", '{"type": "object"}').mask,
+             None, grammars.compile("choice", json.dumps(["yes", "no"])).mask, None]
     params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, seed=2),
               SamplingParams(temperature=0, seed=3), SamplingParams(top_k=40, seed=4),
               SamplingParams(top_p=0.9, seed=5), SamplingParams(temperature=1.5, seed=6)]

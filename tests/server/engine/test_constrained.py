@@ -23,7 +23,7 @@ class EvenTokens:
     mask after `fails` tokens."""
 
     def __init__(self, ends: int | None = None, fails: int | None = None):
-        self.banned = np.arange(V) % 2 == 1
+        self.mask = np.where(np.arange(V) % 2 == 1, np.float32(-np.inf), np.float32(0))
         self.ended, self.error, self.taken, self.ends, self.fails = False, None, [], ends, fails
 
     def take(self, t: int) -> bool:
