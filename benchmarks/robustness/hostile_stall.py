@@ -1,13 +1,18 @@
 """Does one hostile request stall everybody else? A real server (shipped `linear` model, one torch
-thread); one normal greedy stream runs throughout, in its own process, and its inter-token gaps
-are measured quiet, then while each kind of request is sent over and over (each after the one
-before, at most --rate a second), then quiet again (the two quiet phases show the machine's
-drift). Each hostile phase follows its twin, the benign request of the same shape (endpoint,
-size, kind of work), and its p99 gap is given as a ratio to the first quiet phase's and to the
-twin's (goal: within 1.5x). A request that outlasts a phase (a 65,536-token prefill) stretches
-its phase to its end. Writes JSON (--out).
+thread, two API keys); one normal greedy stream of key B runs throughout, in its own process, and
+its inter-token gaps are measured quiet, then while key A sends each kind of request over and over
+(each after the one before, at most --rate a second), then quiet again (the two quiet phases show
+the machine's drift). Each hostile phase follows its twin, the benign request of the same shape
+(endpoint, size, kind of work), and its p99 gap is given as a ratio to the first quiet phase's and
+to the twin's (goal: within 1.5x). A request that outlasts a phase (a 65,536-token prefill, 16
+completions of 4,096 tokens) stretches its phase to its end. The last phases are single legal
+requests that take much of the engine (many choices, many prompts, a long prompt prefilled per
+choice, a client that hangs up): there the goal is B's p99 gap within 3x the quiet one and no gap
+over 250 ms. Meanwhile key B also sends a short completion every --probe-s seconds; a phase
+reports how many of them failed (goal: none) and their slowest answer. Writes JSON (--out).
 
     python -m benchmarks.robustness.hostile_stall --phase-s 5
+    python -m benchmarks.robustness.hostile_stall --phase-s 5 --only quiet,n16_sampled_4096
     python -m benchmarks.robustness.hostile_stall --phase-s 5 --prefill-share 0 --out /tmp/share0.json
 """
 from __future__ import annotations
@@ -15,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import socket
+import threading
 import time
 
 import httpx
@@ -25,6 +32,7 @@ from linstream.model.tokenizer import Tokenizer
 from linstream.server.core.settings import Settings
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
+A, B = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}  # A sends the phases; B is the bystander
 
 
 def victim(url: str, sid: str, stop, out):
@@ -32,7 +40,7 @@ def victim(url: str, sid: str, stop, out):
     its reads; sends back the arrival time (perf_counter: the system's monotonic clock) of
     every token event."""
     arrivals = []
-    with httpx.Client(base_url=url, timeout=60) as c:
+    with httpx.Client(base_url=url, timeout=60, headers=B) as c:
         with c.stream("POST", f"/v1/sessions/{sid}/generate", json={"temperature": 0, "max_tokens": 1_000_000}) as r:
             for line in r.iter_lines():
                 if line.startswith("event: token"):
@@ -44,23 +52,81 @@ def victim(url: str, sid: str, stop, out):
     out.send(arrivals)
 
 
+def prober(url: str, every: float, stop: threading.Event, out: list) -> None:
+    """Key B's own short requests while the phases run: (time sent, status, seconds) of each."""
+    with httpx.Client(base_url=url, timeout=60, headers=B) as c:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                status = c.post("/v1/completions", json={"prompt": "KING:", "max_tokens": 8, "temperature": 0}).status_code
+            except httpx.HTTPError as e:
+                status = type(e).__name__
+            out.append((t0, status, time.perf_counter() - t0))
+            stop.wait(every)
+
+
+def hang_up(c: httpx.Client, path: str, body: dict, after: float):
+    """A request on a connection of its own, closed `after` seconds later, unanswered."""
+    data = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            f"Authorization: {A['Authorization']}\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+
+    def send():
+        with socket.create_connection((c.base_url.host, c.base_url.port)) as sock:
+            sock.sendall(head + data)
+            time.sleep(after)
+        return "hung up"
+    return send
+
+
+def streamed(c: httpx.Client, path: str, body: dict):
+    def send():
+        with c.stream("POST", path, json={**body, "stream": True}) as r:
+            for _ in r.iter_bytes():
+                pass
+            return r.status_code
+    return send
+
+
+def heavy(c: httpx.Client) -> list[tuple]:
+    """Single legal requests that take much of the engine, each its own phase."""
+    names = ["ROMEO", "JULIET", "KING", "NURSE", "HAMLET", "OPHELIA", "LEAR", "CORDELIA"]
+    return [
+        ("n16_sampled_4096", None, post_json(c, "/v1/completions", {"prompt": "ROMEO:", "n": 16, "max_tokens": 4096,
+                                                                     "temperature": 1.0, "seed": 1})),
+        ("prompts128_best_of2", None, post_json(c, "/v1/completions", {
+            "prompt": [f"{names[i % 8]}:\n{i}" for i in range(128)], "best_of": 2, "max_tokens": 128,
+            "temperature": 1.0, "seed": 1})),
+        ("n16_echo_22801_prompt", None, streamed(c, "/v1/completions", {
+            "prompt": [11, 12, 13, 14] * 5700 + [15], "n": 16, "max_tokens": 1, "echo": True, "logprobs": 1})),
+        ("n16_hangup_after_3s", None, hang_up(c, "/v1/completions", {"prompt": "ROMEO:", "n": 16, "max_tokens": 4096,
+                                                                       "temperature": 1.0, "seed": 1}, 3.0)),
+    ]
+
+
+def post_json(c: httpx.Client, path: str, body: dict, then=None):
+    """Send one request (the body encoded once, up front, so that the client's own work stays
+    small); -> its status."""
+    data = json.dumps(body).encode()
+
+    def send():
+        try:
+            r = c.post(path, content=data, headers={"content-type": "application/json"})
+        except httpx.TransportError:  # a refused body may end its connection before it is all sent
+            return "reset"
+        if then and r.status_code < 300:
+            then(r)
+        return r.status_code
+    return send
+
+
 def phases(c: httpx.Client, tok: Tokenizer, max_prompt_bytes: int, max_prompt_tokens: int) -> list[tuple]:
     """(name, twin, send) per phase, each hostile phase just after its twin: the benign request of
     the same shape (endpoint, size, kind of work), None where no legitimate request has that shape.
     `send` sends one request and returns its status; bodies are encoded once, up front, so that
     the client's own work stays small."""
     def post(path, body: dict, then=None):
-        data = json.dumps(body).encode()
-
-        def send():
-            try:
-                r = c.post(path, content=data, headers={"content-type": "application/json"})
-            except httpx.TransportError:  # a refused body may end its connection before it is all sent
-                return "reset"
-            if then and r.status_code < 300:
-                then(r)
-            return r.status_code
-        return send
+        return post_json(c, path, body, then)
 
     def declared(path, body: dict, sent: int = 64 << 10):
         """One request on a new connection. A body the server refuses from its Content-Length
@@ -68,7 +134,8 @@ def phases(c: httpx.Client, tok: Tokenizer, max_prompt_bytes: int, max_prompt_to
         client's CPU, not the server's."""
         data = json.dumps(body).encode()
         head = (f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data[:sent]
+                f"Authorization: {A['Authorization']}\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+                ).encode() + data[:sent]
         addr = (c.base_url.host, c.base_url.port)
 
         def send():
@@ -122,26 +189,37 @@ def main():
     ap.add_argument("--max-prompt-tokens", type=int, default=65536)
     ap.add_argument("--prefill-chunk", type=int, default=None, help="the server's prefill_chunk (default: its own)")
     ap.add_argument("--prefill-share", type=float, default=None, help="the server's prefill_share (default: its own)")
+    ap.add_argument("--probe-s", type=float, default=0.25, help="seconds between key B's short requests")
+    ap.add_argument("--only", default="", help="comma-separated phases to run (default: all)")
     ap.add_argument("--out", default="benchmarks/results/robustness/hostile_stall.json")
     a = ap.parse_args()
     env = {"LINSTREAM_STORE": "memory", "LINSTREAM_MAX_NEW_TOKENS": "1000000",
-           "LINSTREAM_MAX_PROMPT_TOKENS": str(a.max_prompt_tokens)}
+           "LINSTREAM_MAX_PROMPT_TOKENS": str(a.max_prompt_tokens), "LINSTREAM_API_KEYS": '["key-a", "key-b"]'}
     if a.prefill_chunk:
         env["LINSTREAM_PREFILL_CHUNK"] = str(a.prefill_chunk)
     if a.prefill_share is not None:
         env["LINSTREAM_PREFILL_SHARE"] = str(a.prefill_share)
     max_prompt_bytes = 16 * a.max_prompt_tokens  # the server's default
     stop = mp.Event()
-    with served([a.model], env=env, threads=1) as srv, httpx.Client(base_url=srv.url, timeout=300) as c:
+    probes: list = []
+    os.environ["LINSTREAM_API_KEY"] = "key-a"  # for `served` waiting on the compiled step (a client setting)
+    with served([a.model], env=env, threads=1, compiled=True) as srv, \
+            httpx.Client(base_url=srv.url, timeout=300, headers=A) as c:
         tok = Tokenizer(Settings().checkpoint(a.model) / "tokenizer.json")
-        kinds = phases(c, tok, max_prompt_bytes, a.max_prompt_tokens)
-        sid = c.post("/v1/sessions", json={"prompt": PROMPT}).json()["id"]
+        kinds = [("quiet", None, None), *phases(c, tok, max_prompt_bytes, a.max_prompt_tokens), *heavy(c),
+                 ("quiet_after", None, None)]
+        if a.only:
+            kinds = [k for k in kinds if k[0] in a.only.split(",")]
+        sid = httpx.post(srv.url + "/v1/sessions", json={"prompt": PROMPT}, headers=B).json()["id"]
         mine, theirs = mp.Pipe()
         proc = mp.Process(target=victim, args=(srv.url, sid, stop, theirs), daemon=True)
         proc.start()
         assert mine.recv() == "warm"
+        probing = threading.Event()
+        probe = threading.Thread(target=prober, args=(srv.url, a.probe_s, probing, probes), daemon=True)
+        probe.start()
         ran = []
-        for name, twin, send in [("quiet", None, None), *kinds, ("quiet_after", None, None)]:
+        for name, twin, send in kinds:
             t0, statuses, n = time.perf_counter(), set(), 0
             while (now := time.perf_counter()) - t0 < a.phase_s:
                 if send is None or now < t0 + n / a.rate:  # at most --rate requests a second
@@ -151,26 +229,33 @@ def main():
                 n += 1
             ran.append((name, twin, t0, time.perf_counter(), n, sorted(map(str, statuses))))
         stop.set()
+        probing.set()
         arrivals = mine.recv()
         proc.join()
+        probe.join()
     rows, p99s = [], {}
     for name, twin, t0, t1, n, statuses in ran:
         g = gaps_within(arrivals, t0, t1)
         p50, p99 = pct(g, 0.5), pct(g, 0.99)
         p99s[name] = p99
         ratio = (lambda base: round(p99 / base, 2) if p99 and base else None)
+        mine_b = [(st, dt) for t, st, dt in probes if t0 <= t <= t1]
         rows.append({"phase": name, "twin": twin, "requests": n, "statuses": statuses, "tokens": len(g),
+                     "b_requests": len(mine_b), "b_failed": sum(1 for st, _ in mine_b if st != 200),
+                     "b_slowest_ms": round(1000 * max(dt for _, dt in mine_b), 1) if mine_b else None,
                      "seconds": round(t1 - t0, 1),
                      "p50_ms": round(1000 * p50, 2) if p50 else None, "p99_ms": round(1000 * p99, 2) if p99 else None,
                      "max_ms": round(1000 * max(g), 2) if g else None,
-                     "p99_vs_quiet": ratio(p99s["quiet"]), "p99_vs_twin": ratio(p99s.get(twin))})
-    print(f"{'phase':<20}{'twin':<18}{'req':>5}  {'statuses':<10}{'tokens':>7}{'p50 ms':>8}{'p99 ms':>8}"
-          f"{'max ms':>8}{'/quiet':>8}{'/twin':>7}")
+                     "p99_vs_quiet": ratio(p99s.get("quiet")), "p99_vs_twin": ratio(p99s.get(twin))})
+    print(f"{'phase':<22}{'twin':<18}{'req':>5}  {'statuses':<10}{'tokens':>7}{'p50 ms':>8}{'p99 ms':>8}"
+          f"{'max ms':>8}{'/quiet':>8}{'/twin':>7}{'B req':>7}{'B fail':>7}{'B max ms':>9}")
     for r in rows:
-        print(f"{r['phase']:<20}{r['twin'] or '-':<18}{r['requests']:>5}  {','.join(r['statuses']) or '-':<10}"
+        print(f"{r['phase']:<22}{r['twin'] or '-':<18}{r['requests']:>5}  {','.join(r['statuses']) or '-':<10}"
               f"{r['tokens']:>7}{r['p50_ms'] or 0:>8.2f}{r['p99_ms'] or 0:>8.2f}{r['max_ms'] or 0:>8.2f}"
-              f"{r['p99_vs_quiet'] or 0:>8.2f}{r['p99_vs_twin'] or 0:>7.2f}")
+              f"{r['p99_vs_quiet'] or 0:>8.2f}{r['p99_vs_twin'] or 0:>7.2f}{r['b_requests']:>7}{r['b_failed']:>7}"
+              f"{r['b_slowest_ms'] or 0:>9.1f}")
     write_json(a.out, {"command": command(), "model": a.model, "threads": 1, "phase_s": a.phase_s, "rate": a.rate,
+                       "probe_s": a.probe_s,
                        "max_prompt_tokens": a.max_prompt_tokens, "prefill_chunk": a.prefill_chunk,
                        "prefill_share": a.prefill_share, "max_prompt_bytes": max_prompt_bytes, "phases": rows})
 

@@ -24,15 +24,23 @@ def server(tmp_path_factory):
 
 
 def exchange(sock: socket.socket, request: bytes) -> bytes:
-    """Send a request; -> the response's status line and headers (and what came with them)."""
+    """Send a request; -> its whole response (status line, headers and a Content-Length body), so
+    that the next exchange on a kept-alive connection starts at the next response."""
     sock.sendall(request)
     got = b""
     while b"\r\n\r\n" not in got:
         chunk = sock.recv(65536)
         if not chunk:
-            break
+            return got
         got += chunk
-    return got
+    head, _, body = got.partition(b"\r\n\r\n")
+    length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+    while length and len(body) < int(length.group(1)):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
 
 
 @pytest.mark.parametrize("size,status", [(CAP - 1024, b"200"), (CAP + 2048, b"431"), (100 << 10, b"431")])

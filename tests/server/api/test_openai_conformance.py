@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
     srv = ServerProcess([str(make_checkpoint(d, "tiny-linear")), str(make_checkpoint(d, "tiny-softmax"))],
-                        {"LINSTREAM_MAX_SESSIONS": "4", "LINSTREAM_MAX_KV_SESSIONS": "2",
+                        {"LINSTREAM_MAX_SESSIONS": "8", "LINSTREAM_MAX_KV_SESSIONS": "2",
                          "LINSTREAM_SSE_PING_S": "0.05"})
     yield srv
     srv.stop()
@@ -84,8 +84,8 @@ def test_n_choices_distinct_and_reproducible_with_a_seed(client):
 def test_choices_run_side_by_side_each_as_it_runs_alone(client, server):
     """n choices generate together in the engine's batch (their chunks interleave in the stream)
     and each gives exactly the tokens it gives alone: choice k draws from its own seed, and a
-    row's tokens do not depend on its batch. The server holds 4 slots, so n = 6 runs 4 at once
-    and the others as slots come free."""
+    row's tokens do not depend on its batch. The server holds 8 slots and one request's choices
+    take at most a quarter of them, so n = 6 runs 2 at once and the others as those end."""
     MAX_SEED, SEED_STRIDE = 2 ** 63, 0x9E3779B97F4A7C15  # server/schemas.py, server/schemas_openai.py
     kw = dict(model="linear", prompt="ROMEO:", max_tokens=24, temperature=1.0)
     alone = [client.completions.create(seed=(7 + k * SEED_STRIDE) % MAX_SEED, **kw).choices[0].text for k in range(6)]
@@ -224,7 +224,7 @@ def test_langchain_and_litellm_where_installed(server):
 
 def test_several_choices_hung_up_mid_way_leave_no_session(server):
     """A stream of several runs cut in its second run, and a non-streamed one cut while it
-    works: every temporary session ends (the server holds 4 slots: a leak shows at once)."""
+    works: every temporary session ends (the server holds 8 slots: a leak shows at once)."""
     for _ in range(3):
         with httpx.stream("POST", server.url + "/v1/completions",
                           json={"prompt": ["ROMEO:", "JULIET:", "Hi"], "max_tokens": 64, "stream": True}) as r:

@@ -220,7 +220,8 @@ async def test_bad_blobs_are_400_with_reason(client):
 async def test_capacity_503_only_when_every_slot_is_busy(client):
     """Idle sessions are spilled to make room; 503 comes only when all slots are mid-request."""
     made = [(await new(client, model="mamba"))["id"] for _ in range(8)]  # 8 sessions, 6 slots: spills
-    gens = [asyncio.create_task(client.post(f"/v1/sessions/{sid}/generate", json={"stream": False, "max_tokens": 3000}))
+    # long enough to hold all six slots while this looks (a few seconds)
+    gens = [asyncio.create_task(client.post(f"/v1/sessions/{sid}/generate", json={"stream": False, "max_tokens": 1000}))
             for sid in made[:6]]
     for _ in range(1000):  # until all six generations hold their sessions in slots (listing changes nothing;
         listed = (await client.get("/v1/sessions")).json()["data"]  # busy comes before a reload's slot)
