@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from . import tokenizer_file
 from .checkpoint import (
     MAX_TOKENIZER_BYTES,
     PICKLED,
@@ -125,6 +126,9 @@ def _tokenizer(ckpt: CheckpointDir, vocab_size: int) -> Tokenizer:
     """tokenizer.json, read up to a bound, its ids checked against the model's vocabulary before
     the tokenizer is built (a table as long as its largest id)."""
     data = ckpt.read("tokenizer.json", MAX_TOKENIZER_BYTES)
+    path = ckpt.path / "tokenizer.json"
+    if data is None and (shared := tokenizer_file(ckpt.path)) != path:  # a shipped model: the shared one
+        data, path = shared.read_bytes(), shared
     if data is None:
         raise CheckpointError(f"{ckpt.path} has no tokenizer.json")
     try:
@@ -142,7 +146,7 @@ def _tokenizer(ckpt: CheckpointDir, vocab_size: int) -> Tokenizer:
     if top >= vocab_size:
         raise CheckpointError(f"tokenizer.json has ids up to {top}, beyond the model's vocabulary of {vocab_size}")
     try:
-        return Tokenizer(ckpt.path / "tokenizer.json", vocab_size=vocab_size, text=data.decode())
+        return Tokenizer(path, vocab_size=vocab_size, text=data.decode())
     except Exception as e:  # noqa: BLE001  (the tokenizers library raises plain Exception; ours ValueError)
         raise CheckpointError(f"tokenizer.json: {e}") from None
 

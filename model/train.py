@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
             "threads": a.threads, "held_out_bits_per_byte": round(bpb, 4), "seed": a.seed,
             "command": "python -m linstream.model.train " + " ".join(argv if argv is not None else sys.argv[1:])}
     model.save(a.out, extra=meta)
-    shutil.copy(TOKENIZER, Path(a.out) / "tokenizer.json")
+    if Path(a.out).resolve().parent != TOKENIZER.parent.resolve():  # a shipped model shares TOKENIZER
+        shutil.copy(TOKENIZER, Path(a.out) / "tokenizer.json")
     print(json.dumps(meta, indent=2), flush=True)
 
 

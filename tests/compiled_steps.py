@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from linstream.model import WEIGHTS
 from linstream.model.config import PRESETS, ModelConfig
 from linstream.model.lm import LM
@@ -42,7 +43,7 @@ TEST_MODELS: dict[str, ModelConfig] = {
 # compiled step run last, in file order)
 STEPS = [("tiny-lowp", "own", "aoti"), ("tiny-mixers", "own", "aoti"), ("tiny-linear1", "inductor", "aoti"),
          ("tiny-linear1", "onednn", "aoti"), ("tiny-linear1", "own", "dynamo"), ("shipped:linear", "own", "aoti"),
-         ("fla:rwkv7-options", "own", "aoti"), ("fla:rwkv6-options", "own", "aoti")]
+         ("fla:rwkv7-options", "own", "aoti")]
 
 
 def make_model(name: str) -> LM:
@@ -118,6 +119,25 @@ class Prebuild:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(30)
+
+
+
+class Waiter:
+    """Another pytest-xdist worker's view of the prebuild that the first worker runs: a step it is
+    building, or has built, is waited for; one nobody has claimed is built here."""
+
+    def __init__(self, steps: list[tuple[str, str, str]], within: float = 900):
+        self.steps, self.within = list(steps), within
+
+    def wait(self, step: tuple[str, str, str]) -> None:
+        if step not in self.steps or claim(step):
+            return
+        deadline = time.monotonic() + self.within
+        while not _marker(step, "done").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        pass
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import tempfile
 
 import pytest
 import torch
+
 from linstream.model.config import PRESETS
 from linstream.model.lm import LM
 
@@ -15,15 +16,21 @@ os.environ.setdefault("LINSTREAM_STORE", "memory")
 # server ask for the compiled path)
 os.environ.setdefault("LINSTREAM_COMPILE", "off")
 # One compile cache for the run (fresh; LINSTREAM_TEST_COMPILE_CACHE names one to keep between runs):
-# each distinct compiled step (an AOTInductor library named by the model's weights, the settings
+# each distinct compiled step (an AOTInductor library named by the model's shape, the settings
 # and the thread count) and the packed_linear kernel is built once into it, and a second Stepper
-# for the same model and options, in the tests or in a test server (which inherits the
-# variable), loads it instead of building it again.
+# for the same model and options, in the tests, in another pytest-xdist worker or in a test server
+# (which inherit the variable), loads it instead of building it again.
 if os.environ.get("LINSTREAM_TEST_COMPILE_CACHE"):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["LINSTREAM_TEST_COMPILE_CACHE"]
-else:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="linstream-test-compile-")
+elif not (os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("LINSTREAM_RUN_COMPILE_CACHE")):
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["LINSTREAM_RUN_COMPILE_CACHE"] = \
+        tempfile.mkdtemp(prefix="linstream-test-compile-")  # made by the run's first process, shared by its workers
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+else:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["LINSTREAM_RUN_COMPILE_CACHE"]
+# the built step's C++ wrapper compiled at -O0: the tests check what a step computes, not how fast,
+# and the wrapper is a large part of each build's compile time (the kernels keep their -O3)
+os.environ.setdefault("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O0")
 
 TINY = ["tiny-linear", "tiny-softmax", "tiny-mamba", "tiny-performer", "tiny-retnet", "tiny-gla", "tiny-rwkv",
         "tiny-hybrid"]
@@ -93,14 +100,15 @@ def pytest_collection_modifyitems(items):
 def pytest_collection_finish(session):
     """Start the prebuild of the default run's steps (tests/compiled_steps.py STEPS) when this run
     has tests that need compiled steps and enough others to build them beside (LINSTREAM_TEST_PREBUILD=0:
-    never)."""
+    never). Under pytest-xdist the first worker starts it, and the others wait for what it builds."""
     global _prebuild
     from linstream.model.compiled import compiler_missing
     need = sum("compiled" in getattr(item, "fixturenames", ()) for item in session.items)
     if (need and len(session.items) - need >= PREBUILD_BESIDE and compiler_missing() is None
             and os.environ.get("LINSTREAM_TEST_PREBUILD") != "0"):
-        from tests.compiled_steps import STEPS, Prebuild
-        _prebuild = Prebuild(STEPS)
+        from tests.compiled_steps import STEPS, Prebuild, Waiter
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        _prebuild = Prebuild(STEPS) if worker in (None, "gw0") else Waiter(STEPS)
 
 
 def pytest_sessionfinish(session):

@@ -43,6 +43,7 @@ from benchmarks.peers import http_load, llama_build, llama_native, twin_gguf
 from benchmarks.peers import llama_server_report as report
 from benchmarks.peers.shipped import PROMPT, llama_bias, machine, on_cpu
 from harness.local_server import free_port
+from linstream.model import tokenizer_file
 from linstream.model.compiled import Stepper
 from linstream.model.generate import decode_one_token, prefill
 from linstream.model.lm import LM
@@ -58,9 +59,9 @@ def make_twin(workdir: Path) -> tuple[LM, Path, Path]:
     twin = twin_gguf.twin_model(seed=0)
     ckpt = workdir / NAME
     twin.save(ckpt)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(twin_gguf.MAMBA / f, ckpt / f)
-    gguf = twin_gguf.write_gguf(twin, twin_gguf.MAMBA / "tokenizer.json", workdir / f"{NAME}-f32.gguf")
+    shutil.copy(tokenizer_file(twin_gguf.MAMBA), ckpt / "tokenizer.json")
+    shutil.copy(twin_gguf.MAMBA / "tokenizer_config.json", ckpt / "tokenizer_config.json")
+    gguf = twin_gguf.write_gguf(twin, tokenizer_file(twin_gguf.MAMBA), workdir / f"{NAME}-f32.gguf")
     return twin, ckpt, gguf
 
 

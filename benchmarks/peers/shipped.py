@@ -30,6 +30,7 @@ import torch
 
 from benchmarks.common import command, pct, process_cpu, served, write_json
 from benchmarks.peers import hf_peer, http_load, llama_peer, report, twin_gguf
+from linstream.model import tokenizer_file
 from linstream.model.compiled import Stepper
 from linstream.model.generate import decode_one_token, prefill
 from linstream.model.lm import LM
@@ -117,7 +118,7 @@ def llama_bias(tok: Tokenizer, eos: int) -> dict:
 def over_http(a, gguf: Path, workdir: Path, levels: list[int], llama_error: str | None) -> dict:
     """Both servers up side by side, taking turns level by level, so that load from elsewhere on
     the machine does not fall on one system's whole series."""
-    extra = llama_bias(Tokenizer(twin_gguf.MAMBA / "tokenizer.json"), twin_gguf.EOS)
+    extra = llama_bias(Tokenizer(tokenizer_file(twin_gguf.MAMBA)), twin_gguf.EOS)
     res = {"prompt": PROMPT, "max_tokens": a.tokens, "duration_s": a.duration, "levels": levels,
            "linstream": [], "llama_cpp": [],
            "llama_cpp_server": "llama-cpp-python's server runs one request at a time on its one model; "
@@ -197,7 +198,7 @@ def run(a, levels: list[int], workdir: Path) -> None:
 
     twin = twin_gguf.twin_model(seed=0)
     gguf = Path(a.gguf) if a.gguf else workdir / "mamba-peer-f32.gguf"
-    twin_gguf.write_gguf(twin, twin_gguf.MAMBA / "tokenizer.json", gguf)
+    twin_gguf.write_gguf(twin, tokenizer_file(twin_gguf.MAMBA), gguf)
     print(f"peer model: {gguf} ({twin.num_params():,} parameters, {twin_gguf.TWIN_LAYERS} mixer-only Mamba layers)")
     llama_error, hf_error = llama_peer.why_unavailable(), hf_peer.why_unavailable()
     llm = hf = None
@@ -215,7 +216,7 @@ def run(a, levels: list[int], workdir: Path) -> None:
     print("in-process decode, batch 1, one thread ...", flush=True)
     load_at_start = os.getloadavg()[0]
     inproc = in_process(LM.load(twin_gguf.MAMBA), twin, llm, hf, a.context, a.steps)
-    agree = agreement(twin, llm, hf, Tokenizer(twin_gguf.MAMBA / "tokenizer.json"))
+    agree = agreement(twin, llm, hf, Tokenizer(tokenizer_file(twin_gguf.MAMBA)))
     print("  agreement with linstream on the same network: " + json.dumps({k: v for k, v in agree.items()
                                                                             if isinstance(v, dict)}))
     del llm  # the server below loads its own copy

@@ -28,6 +28,7 @@ import time
 import httpx
 
 from benchmarks.common import command, pct, served, write_json
+from linstream.model import tokenizer_file
 from linstream.model.tokenizer import Tokenizer
 from linstream.server.core.settings import Settings
 
@@ -205,7 +206,7 @@ def main():
     os.environ["LINSTREAM_API_KEY"] = "key-a"  # for `served` waiting on the compiled step (a client setting)
     with served([a.model], env=env, threads=1, compiled=True) as srv, \
             httpx.Client(base_url=srv.url, timeout=300, headers=A) as c:
-        tok = Tokenizer(Settings().checkpoint(a.model) / "tokenizer.json")
+        tok = Tokenizer(tokenizer_file(Settings().checkpoint(a.model)))
         kinds = [("quiet", None, None), *phases(c, tok, max_prompt_bytes, a.max_prompt_tokens), *heavy(c),
                  ("quiet_after", None, None)]
         if a.only:

@@ -42,7 +42,7 @@ REPS = 5  # timed turns per measured turn and kind (medians reported)
 
 def user_messages(n: int, tokens: int, offset: int = 0) -> list[str]:
     """n user messages of about `tokens` tokens each, cut from the project's own docs."""
-    tok = Tokenizer(WEIGHTS / "linear" / "tokenizer.json")
+    tok = Tokenizer(WEIGHTS / "tokenizer.json")
     words = " ".join(p.read_text() for p in sorted(ROOT.glob("**/*.md")) if ".venv" not in p.parts).split()
     out, i = [], offset * 97
     while len(out) < n:
@@ -178,7 +178,7 @@ def main():
     load_turns = 6 if a.quick else 12
     msgs = user_messages(max(marks), 170)
     per_client = [user_messages(load_turns, 170, offset=1 + i) for i in range(a.clients)]
-    tok = Tokenizer(WEIGHTS / "linear" / "tokenizer.json")
+    tok = Tokenizer(WEIGHTS / "tokenizer.json")
     res = {"machine": f"{os.cpu_count()} CPU cores, --threads 1", "command": command(), "model": "linear",
            "answer_tokens": ANSWER, "quick": a.quick}
     spare = user_messages(2 * len(marks) * REPS, 170, offset=10_000)

@@ -7,7 +7,7 @@ import httpx
 import pytest
 import pytest_asyncio
 import torch
-from linstream.model import WEIGHTS
+from linstream.model import WEIGHTS, tokenizer_file
 from linstream.model.generate import Generation, prefill
 from linstream.model.lm import LM
 from linstream.model.sampling import SamplingParams
@@ -25,7 +25,7 @@ GOLDEN_IDS = [82, 11, 290, 407, 267, 846, 198, 408, 305, 258, 278, 606, 293, 267
 
 @pytest.fixture(scope="module")
 def shipped():
-    return LM.load(CKPT), Tokenizer(CKPT / "tokenizer.json")
+    return LM.load(CKPT), Tokenizer(tokenizer_file(CKPT))
 
 
 def test_golden_greedy(shipped):

@@ -34,11 +34,11 @@ def assert_steps_like_eager(st: Stepper, rows: int = 3):
     return got
 
 
-def test_a_second_checkpoint_of_the_shape_steps_with_the_first_ones_library(caplog):
-    first = Stepper(seeded(PRESETS["tiny-mamba"], 0), "on", background=False)  # built, or from an earlier run
+def test_a_second_checkpoint_of_the_shape_steps_with_the_first_ones_library(compiled, caplog):
+    first = compiled("shipped:linear")  # the run's step of the shipped model (built once, for one thread)
     assert (first.kernels, first.runtime) == ("own", "aoti") and first.compiled.libraries[0].exists()
-    with caplog.at_level("INFO", logger="linstream.compiled"):
-        second = Stepper(seeded(PRESETS["tiny-mamba"], 1), "on", background=False)
+    with caplog.at_level("INFO", logger="linstream.compiled"):  # random weights of the same shape
+        second = Stepper(seeded(first.model.cfg, 1), "on", background=False)
     assert second.compiled.built == [] and "from the cache" in caplog.text and "library built" not in caplog.text
     assert second.compiled.libraries == first.compiled.libraries
     a, b = assert_steps_like_eager(first), assert_steps_like_eager(second)

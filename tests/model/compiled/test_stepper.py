@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from linstream.model import tokenizer_file
 from linstream.model.compiled import AOT_MIN_ROWS, MAX_ROWS, MIN_ROWS, ONEDNN, PACKED, Stepper, compiler_missing
 from linstream.model.compiled.aot import AotStep, library_key
 from linstream.model.compiled.gemm import GEMMS
@@ -271,7 +272,7 @@ def test_golden_greedy_compiled(gemm, compiled):
     from tests.model.test_golden import CKPT, GOLDEN_IDS, PROMPT
     st = compiled("shipped:linear", gemm)  # LM.load(CKPT)
     model = st.model
-    s = prefill(model, Tokenizer(CKPT / "tokenizer.json").encode(PROMPT), model.init_state(1))
+    s = prefill(model, Tokenizer(tokenizer_file(CKPT)).encode(PROMPT), model.init_state(1))
     out = []
     for _ in range(len(GOLDEN_IDS)):
         t = s.next_logits.argmax(-1)

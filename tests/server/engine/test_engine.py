@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+from linstream.model import tokenizer_file
 from linstream.model.config import PRESETS
 from linstream.model.generate import Generation, TextStream, prefill
 from linstream.model.lm import LM
@@ -21,7 +22,7 @@ CHUNK = 64  # the engine's prefill chunk, and Generation's: one prefill pass eit
 
 @pytest.fixture(scope="module")
 def shipped():
-    return LM.load(CKPT), Tokenizer(CKPT / "tokenizer.json")
+    return LM.load(CKPT), Tokenizer(tokenizer_file(CKPT))
 
 
 def in_process(model, tok, prompt, params):
@@ -81,7 +82,7 @@ def test_shipped_model_served_as_in_process(shipped, stop, finish, text):
 
 def test_eos_ends_both_with_stop(shipped):
     model, tok = shipped
-    tok = Tokenizer(CKPT / "tokenizer.json")
+    tok = Tokenizer(tokenizer_file(CKPT))
     tok.eos_ids = frozenset({GOLDEN_IDS[9]})  # " a": the tenth token
     params = SamplingParams(max_tokens=len(GOLDEN_IDS), temperature=0)
     got = in_process(model, tok, tok.encode(PROMPT), params)
