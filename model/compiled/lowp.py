@@ -40,6 +40,8 @@ K_MULTIPLE = 16  # the kernel's input widths
 class Int8Linear(nn.Module):
     """y = (bf16(x) @ int8(W).T) * scale (+ bias), float32 out. Weight-only: x is not quantized."""
 
+    input_dtype = torch.float32  # what callers hand it (it casts its input itself), read without dequantizing
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -68,6 +70,8 @@ class Int8Linear(nn.Module):
 
 class BF16Linear(nn.Module):
     """y = bf16(x) @ bf16(W).T (+ bias), float32 out."""
+
+    input_dtype = torch.float32  # (as Int8Linear's)
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

@@ -64,10 +64,10 @@ class Mamba(nn.Module):
         return self.conv1d.weight.float(), None if b is None else b.float()
 
     def _ssm_inputs(self, x):  # x (b, l, e) float32 after conv+silu -> delta, B, C in float32
-        dt, B, C = self.x_proj(x.to(self.x_proj.weight.dtype)).float().split([self.r, self.n, self.n], dim=-1)
+        dt, B, C = self.x_proj(_input(self.x_proj, x)).float().split([self.r, self.n, self.n], dim=-1)
         if self.bc_norm_eps:
             dt, B, C = (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + self.bc_norm_eps) for t in (dt, B, C))
-        return F.softplus(self.dt_proj(dt.to(self.dt_proj.weight.dtype)).float()), B, C
+        return F.softplus(self.dt_proj(_input(self.dt_proj, dt)).float()), B, C
 
     def forward(self, u, state=None, pos=None):
         x, z = self.in_proj(u).chunk(2, dim=-1)  # (b, l, e)
@@ -94,3 +94,10 @@ class Mamba(nn.Module):
         delta, B, C = self._ssm_inputs(x)  # delta (b, l, e), B, C (b, l, n)
         y, h = selective_scan_naive(x, delta, -torch.exp(self.A_log), B, C, self.D, state["h"])  # (b, l, e)
         return self.out_proj((y * F.silu(z)).to(u.dtype)), {"h": h, "conv": tail}  # (b, l, d)
+
+
+def _input(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x in the dtype `proj` multiplies in: its weight's (bfloat16 under --dtype bfloat16), or, for
+    the int8 and bfloat16 panels (compiled/lowp.py), the float32 they take and cast themselves (their
+    `weight` is a dequantized copy, never to be made per step)."""
+    return x.to(getattr(proj, "input_dtype", None) or proj.weight.dtype)

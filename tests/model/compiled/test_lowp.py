@@ -194,3 +194,18 @@ def test_an_int8_server_serves_and_continues_a_float32_snapshot():
             want.append(int(t))
             _, state = model.step(t, state)
     assert tokens == want
+
+
+@pytest.mark.parametrize("weights", ["int8", "bfloat16"])
+def test_a_step_never_dequantizes_a_low_precision_projection(weights, monkeypatch):
+    """Mamba casts its input to a projection's dtype; for the int8 and bfloat16 panels that is read
+    from `input_dtype`, never from `weight` (a dequantized copy: per step it would cost a whole
+    multiply, and on a model packed in place, whose weights stay on the meta device, it mixes
+    devices and the compiled step cannot be built)."""
+    model = to_weights(small("tiny-mamba"), weights)
+    cls = Int8Linear if weights == "int8" else BF16Linear
+    monkeypatch.setattr(cls, "weight", property(lambda self: pytest.fail("a projection's weight was dequantized")))
+    state = random_state(model, 2)
+    with torch.no_grad():
+        logits, _ = model.step(torch.tensor([1, 2]), state)
+    assert torch.isfinite(logits).all()
