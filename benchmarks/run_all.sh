@@ -23,6 +23,10 @@ model() {  # in-process: the model, its kernels, its step, sampling, snapshots
   python -m benchmarks.model.grammar_libs        # model/grammar_libs.json (pip install llguidance xgrammar outlines-core)
   python -m benchmarks.model.constrained         # model/constrained.json
   python -m benchmarks.model.snapshots           # model/snapshots.json (in-process and over each store)
+  # billion-parameter checkpoints at published shapes (random weights, ~25 GB under ~/.cache/linstream)
+  python -m benchmarks.model.big_checkpoints     # writes them once (Mamba 1.4B/2.8B, Mamba-2 1.3B, RWKV-7 1.5B)
+  python -m benchmarks.model.big_serving --models mamba-1.4b mamba2-1.3b --weights float32 int8 --prefill 256
+                                                 # model/big_checkpoints.json
   # On a machine with a CUDA device (results under $OUT, default /tmp/gpu_check, not here):
   #   bash benchmarks/model/gpu_check.sh         # the CUDA tests, then benchmarks.model.gpu_decode
 }
@@ -67,6 +71,7 @@ peers() {  # beside llama.cpp (llama-cpp-python; its own llama-server and llama-
   python -m benchmarks.peers.shipped             # peers/shipped.json, .png
   python -m benchmarks.peers.mamba130m           # peers/mamba130m.json
   python -m benchmarks.peers.llama_server        # peers/llama_server.json (builds llama.cpp once: peers/llama_build.py)
+  python -m benchmarks.peers.llama_big --kinds f32 q8_0 --prompt 256   # peers/llama_big.json (after big_serving)
   # benchmarks/peers/lm_eval_task/: lm-eval's `local_text` task against a running server
   # (--include_path benchmarks/peers/lm_eval_task --tasks local_text); no file here.
 }
@@ -77,6 +82,8 @@ robustness() {  # faults, fuzzing, hostile requests, long load
   python -m benchmarks.robustness.faults --concurrency 256 --duration 30 --signal kill  # robustness/faults_kill.json
   python -m benchmarks.robustness.fuzz_api --examples 100                               # robustness/fuzz_api.json
   python -m benchmarks.robustness.hostile_stall --phase-s 5                             # robustness/hostile_stall.json
+  python -m benchmarks.robustness.hostile_stall --phase-s 5 --only quiet,n16_sampled_4096,prompts128_best_of2,n16_echo_22801_prompt,n16_hangup_after_3s,quiet_after \
+      --out benchmarks/results/robustness/hostile_stall_heavy.json                      # single heavy requests
 }
 
 # results/flames/: py-spy flame graphs of a server under load, recorded by hand; the commands are

@@ -78,15 +78,50 @@ def _tensors(lm: LM, kind: str = "f32"):
         yield n(T.SSM_OUT) + ".weight", *mat(m.out_proj.weight)
 
 
+def _mamba2_tensors(lm: LM, kind: str = "f32"):
+    """As _tensors, for llama.cpp's `mamba2`: the in-projection keeps transformers' order (z, then
+    x, B and C, then dt), A and D are stored as (heads, 1), the gated norm's weight as (groups,
+    d_inner / groups), and there is no x_proj or dt_proj (dt is a slice of the in-projection, with
+    a bias per head)."""
+    import gguf
+    from gguf import quants
+    T, names = gguf.MODEL_TENSOR, gguf.TENSOR_NAMES
+    f32 = lambda t: t.detach().float().contiguous().numpy()  # noqa: E731
+
+    def mat(t):
+        if kind == "q8_0" and t.shape[1] % 32 == 0:
+            return quants.quantize(f32(t), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+        return (f32(t) if kind == "f32" else f32(t).astype(np.float16)), None
+    f32q = lambda t: (f32(t), None)  # noqa: E731
+    yield names[T.TOKEN_EMBD] + ".weight", *mat(lm.embed.weight)
+    yield names[T.OUTPUT_NORM] + ".weight", *f32q(lm.norm.weight)
+    if not lm.cfg.tie_embeddings:
+        yield names[T.OUTPUT] + ".weight", *mat(lm.head.weight)
+    for i, block in enumerate(lm.blocks):
+        m, n = block.mixer, lambda t: names[t].format(bid=i)  # noqa: E731
+        yield n(T.ATTN_NORM) + ".weight", *f32q(block.norm1.weight)
+        yield n(T.SSM_IN) + ".weight", *mat(m.in_proj.weight)
+        yield n(T.SSM_CONV1D) + ".weight", *f32q(m.conv1d.weight[:, 0])
+        yield n(T.SSM_CONV1D) + ".bias", *f32q(m.conv1d.bias)
+        yield n(T.SSM_DT) + ".bias", *f32q(m.dt_bias)
+        yield n(T.SSM_A), *f32q((-torch.exp(m.A_log)).reshape(-1, 1))
+        yield n(T.SSM_D), *f32q(m.D.reshape(-1, 1))
+        yield n(T.SSM_NORM) + ".weight", *f32q(m.norm.weight.reshape(m.g, m.e // m.g))
+        yield n(T.SSM_OUT) + ".weight", *mat(m.out_proj.weight)
+
+
 def write_gguf(lm: LM, tokenizer_json: Path, out: Path, kind: str = "f32", eos: int = EOS) -> Path:
-    """Write `lm` (a mixer-only Mamba LM) and the BPE tokenizer as a GGUF file, f32 (or its
+    """Write `lm` (a mixer-only Mamba or Mamba-2 LM) and the BPE tokenizer as a GGUF file, f32 (or its
     projections f16 or Q8_0: KINDS). A tokenizer with fewer ids than the model's vocabulary (a published shape's
     50,280 rows beside linstream's 2,048 tokens) is padded with unused tokens, as published
     checkpoints pad their embeddings."""
     import gguf
     cfg = lm.cfg
-    if set(cfg.layer_mixers) != {"mamba"} or cfg.mlp_ratio or not cfg.tie_embeddings or cfg.norm != "rms":
-        raise ValueError("only a mixer-only, tied-embedding, RMS-norm Mamba LM maps onto llama.cpp's `mamba`")
+    v2 = set(cfg.layer_mixers) == {"mamba2"}
+    if (set(cfg.layer_mixers) != {"mamba"} and not v2) or cfg.mlp_ratio or cfg.norm != "rms":
+        raise ValueError("only a mixer-only, RMS-norm Mamba or Mamba-2 LM maps onto llama.cpp's `mamba` / `mamba2`")
+    if not v2 and not cfg.tie_embeddings:
+        raise ValueError("llama.cpp's `mamba` ties its output head to the embedding")
     if cfg.proj_bias or not cfg.conv_bias or cfg.bc_norm_eps:
         raise ValueError("llama.cpp's `mamba` has a conv1d bias, no in/out projection bias, no dt/B/C norms")
     if cfg.expand != 2:
@@ -100,7 +135,7 @@ def write_gguf(lm: LM, tokenizer_json: Path, out: Path, kind: str = "f32", eos: 
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["merges"]]
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MAMBA])
+    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MAMBA2 if v2 else gguf.MODEL_ARCH.MAMBA])
     w.add_name("linstream mamba peer (random weights)")
     w.add_context_length(1 << 20)  # a recurrent model has no context limit; the key is required
     w.add_embedding_length(cfg.d_model)
@@ -110,8 +145,12 @@ def write_gguf(lm: LM, tokenizer_json: Path, out: Path, kind: str = "f32", eos: 
     w.add_ssm_conv_kernel(cfg.conv_kernel)
     w.add_ssm_inner_size(cfg.expand * cfg.d_model)
     w.add_ssm_state_size(cfg.d_state)
-    w.add_ssm_time_step_rank(cfg.dt_rank)
-    w.add_ssm_dt_b_c_rms(False)
+    if v2:
+        w.add_ssm_time_step_rank(cfg.n_head)  # llama.cpp's name for Mamba-2's head count
+        w.add_ssm_group_count(cfg.n_groups)
+    else:
+        w.add_ssm_time_step_rank(cfg.dt_rank)
+        w.add_ssm_dt_b_c_rms(False)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                      "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind])
@@ -124,7 +163,7 @@ def write_gguf(lm: LM, tokenizer_json: Path, out: Path, kind: str = "f32", eos: 
     w.add_eos_token_id(eos)
     w.add_add_bos_token(False)
     w.add_add_eos_token(False)
-    for name, arr, qtype in _tensors(lm, kind):
+    for name, arr, qtype in (_mamba2_tensors if v2 else _tensors)(lm, kind):
         w.add_tensor(name, np.ascontiguousarray(arr), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()

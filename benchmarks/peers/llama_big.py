@@ -1,0 +1,108 @@
+"""Billion-parameter Mamba-1 and Mamba-2 checkpoints beside llama.cpp's `llama-bench`, the same weights in both.
+
+Each checkpoint written by benchmarks/model/big_checkpoints.py (HF layout, random weights at a
+published shape) is loaded by linstream's loader and written as GGUF by twin_gguf.write_gguf
+(llama.cpp's `mamba` and `mamba2` architectures: mixer-only blocks), once per precision: f32, f16 and
+Q8_0 projections, cached beside the checkpoints. llama-bench then runs batch-1 generation
+(tg N) with one and with two threads, and a prompt of P tokens (pp P) with two. linstream's side
+of each row is read from benchmarks/results/model/big_checkpoints.json (big_serving: the
+compiled step's batch-1 decode at float32, bfloat16 and int8 weights, one and two threads;
+prefill through the chunked form, two threads), the pairs f32/float32, f16/bfloat16, Q8_0/int8.
+
+    python -m benchmarks.peers.llama_big [--models mamba-1.4b] [--kinds f32 f16 q8_0] [--gen 16] [--reps 2]
+
+Writes benchmarks/results/peers/llama_big.json and prints the table. llama.cpp is built once by
+`python -m benchmarks.peers.llama_build`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.common import command, write_json
+from benchmarks.model.big_checkpoints import OUT
+from benchmarks.model.big_serving import RESULT as OURS
+from benchmarks.peers import llama_build, llama_native
+
+RESULT = "benchmarks/results/peers/llama_big.json"
+PAIRS = {"f32": "float32", "f16": "bfloat16", "q8_0": "int8"}  # llama.cpp's file type -> linstream's weights
+
+
+def gguf_path(ckpt: Path, kind: str) -> Path:
+    return ckpt.parent.parent / "big-gguf" / f"{ckpt.name}-{kind}.gguf"
+
+
+def write(ckpt: Path, kind: str) -> Path:
+    """The checkpoint as GGUF of `kind`, written in a process of its own (its memory its own)
+    unless it is already there."""
+    out = gguf_path(ckpt, kind)
+    if not out.exists():
+        subprocess.run([sys.executable, "-m", "benchmarks.peers.llama_big", "--write", str(ckpt), kind], check=True)
+    return out
+
+
+def _write(ckpt: Path, kind: str) -> None:
+    from benchmarks.peers.twin_gguf import write_gguf
+    from linstream.model.hf import load_checkpoint
+    model, _ = load_checkpoint(ckpt)
+    out = gguf_path(ckpt, kind)
+    part = out.with_suffix(".part")
+    write_gguf(model, ckpt / "tokenizer.json", part, kind=kind, eos=model.cfg.vocab_size - 1)
+    part.rename(out)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["mamba-1.4b", "mamba2-1.3b"])
+    ap.add_argument("--kinds", nargs="+", choices=list(PAIRS), default=list(PAIRS))
+    ap.add_argument("--dir", type=Path, default=OUT)
+    ap.add_argument("--gen", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--out", default=RESULT)
+    ap.add_argument("--write", nargs=2, metavar=("CKPT", "KIND"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.write:
+        _write(Path(a.write[0]), a.write[1])
+        return
+    bins = llama_build.build()
+    ours = json.loads(Path(OURS).read_text()).get("models", {}) if Path(OURS).is_file() else {}
+    results = json.loads(Path(a.out).read_text()) if Path(a.out).is_file() else {}
+    results.update({"command": command(), "llama_cpp": llama_build.VERSION})
+    rows = []
+    for name in a.models:
+        entry = results.setdefault("models", {}).setdefault(name, {})
+        for kind in a.kinds:
+            gguf = write(a.dir / name, kind)
+            peer = {f"tg{a.gen}_t{t}": llama_native.bench(bins["llama-bench"], gguf, gen=a.gen, threads=t, reps=a.reps)
+                    for t in (1, 2)}
+            if a.prompt:
+                peer[f"pp{a.prompt}_t2"] = llama_native.bench(bins["llama-bench"], gguf, prompt=a.prompt, threads=2,
+                                                              reps=a.reps)
+            mine = ours.get(name, {}).get(PAIRS[kind], {})
+            row = {"kind": kind, "linstream_weights": PAIRS[kind], "gguf_bytes": gguf.stat().st_size}
+            for t in (1, 2):
+                peer_ms = 1000 / peer[f"tg{a.gen}_t{t}"]["tokens_per_s"]
+                ms = mine.get(f"decode_ms_{t}t")
+                row[f"decode_{t}t"] = {"llama_cpp_ms": round(peer_ms, 1), "linstream_ms": ms,
+                                       "ratio": round(ms / peer_ms, 2) if ms else None}
+            if a.prompt:
+                row["prefill_t2"] = {"llama_cpp_tok_s": round(peer[f"pp{a.prompt}_t2"]["tokens_per_s"], 1),
+                                     "linstream_tok_s": mine.get("prefill_tok_s")}
+            row["llama_bench"] = peer
+            entry[kind] = row
+            rows.append((name, row))
+            write_json(a.out, results)
+    print(f"{'model':<12}{'kind':<7}{'ours':<10}{'t':>2}{'llama.cpp ms':>14}{'linstream ms':>14}{'ratio':>7}")
+    for name, row in rows:
+        for t in (1, 2):
+            d = row[f"decode_{t}t"]
+            print(f"{name:<12}{row['kind']:<7}{row['linstream_weights']:<10}{t:>2}{d['llama_cpp_ms']:>14}"
+                  f"{d['linstream_ms'] or '-':>14}{d['ratio'] or '-':>7}")
+
+
+if __name__ == "__main__":
+    main()
