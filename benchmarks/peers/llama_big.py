@@ -54,6 +54,43 @@ def _write(ckpt: Path, kind: str) -> None:
     part.rename(out)
 
 
+def agreement_mamba2(bins: dict) -> dict:
+    """llama-server's first 32 greedy tokens against linstream's on a small random Mamba-2 (2 layers
+    of width 256, its weights scaled by noise so that no norm or bias sits at its init value),
+    written by the same GGUF writer as the big checkpoints: the check that the mamba2 layout is read
+    as linstream computes it."""
+    import tempfile
+
+    import torch
+
+    from benchmarks.peers.llama_server import agreement
+    from benchmarks.peers.shipped import llama_bias
+    from linstream.model import WEIGHTS
+    from linstream.model.config import ModelConfig
+    from linstream.model.lm import LM
+    from linstream.model.tokenizer import Tokenizer
+    torch.manual_seed(0)
+    lm = LM(ModelConfig(vocab_size=2048, d_model=256, n_layer=2, mixer="mamba2", mlp_ratio=0, n_head=8, n_groups=1,
+                        d_state=16, expand=2, tie_embeddings=True, conv_bias=True)).eval()
+    with torch.no_grad():
+        for w in lm.parameters():
+            w.mul_(1 + 0.3 * torch.randn_like(w))
+    work = Path(tempfile.mkdtemp(prefix="linstream-mamba2-"))
+    tok = Tokenizer(WEIGHTS / "tokenizer.json")
+    gguf = write_gguf_of(lm, work / "mamba2-twin.gguf")
+    srv = llama_native.LlamaServer(bins["llama-server"], gguf, work / "llama-server.log", slots=1)
+    try:
+        return agreement(lm, srv.url, tok.encode("ROMEO:\nBut soft"), llama_bias(tok, 2047), n=32)
+    finally:
+        srv.stop()
+
+
+def write_gguf_of(lm, out: Path) -> Path:
+    from benchmarks.peers.twin_gguf import write_gguf
+    from linstream.model import WEIGHTS
+    return write_gguf(lm, WEIGHTS / "tokenizer.json", out, eos=2047)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["mamba-1.4b", "mamba2-1.3b"])
@@ -72,6 +109,8 @@ def main(argv=None) -> None:
     ours = json.loads(Path(OURS).read_text()).get("models", {}) if Path(OURS).is_file() else {}
     results = json.loads(Path(a.out).read_text()) if Path(a.out).is_file() else {}
     results.update({"command": command(), "llama_cpp": llama_build.VERSION})
+    results["mamba2_agreement"] = agreement_mamba2(bins)
+    print(f"mamba2 twin, greedy tokens against llama-server: {results['mamba2_agreement']}", flush=True)
     rows = []
     for name in a.models:
         entry = results.setdefault("models", {}).setdefault(name, {})
