@@ -341,15 +341,22 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
     base = {"id": f"cmpl-{first.session.id[5:21]}", "object": "text_completion", "created": int(time.time()),
             "model": first.session.model}
 
-    if req.stream:
-        echoed: dict[int, str] = {}  # run -> its prompt's text, decoded once
+    # A prompt's echo (its text, and its tokens' log-probabilities when asked for) is the same for
+    # every choice of that prompt: made once per prompt, not once per choice (at n 16 over a long
+    # prompt, 16 copies of that work on the event loop stalled every other stream)
+    echoes: dict[int, tuple[str, dict | None]] = {}
 
+    def echo_of(k: int, run: Run) -> tuple[str, dict | None]:
+        if k // best not in echoes:
+            echoes[k // best] = (run.tok.decode(run.ids) if req.echo else "",
+                                 _logprobs_obj(run.tok, run.echo) if run.echo else None)
+        return echoes[k // best]
+
+    if req.stream:
         def render(k, run, kind, ev, sent):
-            if k not in echoed:
-                echoed[k] = run.tok.decode(run.ids) if req.echo else ""
-            prefix = echoed[k]
+            prefix, echoed_lps = echo_of(k, run)
             if kind == "start":
-                lps = _logprobs_obj(run.tok, run.echo) if run.echo else None
+                lps = echoed_lps
                 return [{**base, "choices": [{"index": k, "text": prefix, "finish_reason": None, "logprobs": lps}]}] \
                     if prefix else []
             if kind == "token":
@@ -368,11 +375,14 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
         if best > n:  # the n most likely, by the summed logprob of their tokens
             cands.sort(key=lambda c: -sum(x[0] for x in c[1].get("logprobs", [])))
         for j, (run, done) in enumerate(cands[:n]):
-            prefix = run.tok.decode(run.ids) if req.echo else ""
+            prefix, echoed_lps = echo_of(pi * best, run)
             lps = None
             if want is not None:
-                lps = _logprobs_obj(run.tok, (run.echo or []) +
-                                    [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))])
+                ends = echoed_lps["text_offset"][-1] + len(echoed_lps["tokens"][-1]) if echoed_lps and \
+                    echoed_lps["tokens"] else 0  # the generated tokens' offsets go on from the echo's
+                lps = _logprobs_obj(run.tok, [(t, *x) for t, x in zip(done["tokens"], done.get("logprobs", []))], ends)
+                if echoed_lps is not None:
+                    lps = {key: echoed_lps[key] + lps[key] for key in lps}
             out.append({"index": pi * n + j, "text": prefix + done["text"], "finish_reason": _finish(done),
                         "logprobs": lps})
     return json_body({**base, "choices": out, "usage": _usage(prompt_tokens, completion_tokens),
