@@ -39,7 +39,10 @@ SOURCE = Path(__file__).with_name("packed_linear.cpp")
 NR = 32  # a panel's columns
 # -ffp-contract=off: GCC would otherwise fuse an output's scale and bias (a multiply, then an add)
 # into one FMA in some register blocks and not in others, and a row's bits would depend on its block
-FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
+# -fopenmp: at::parallel_for splits a large product between torch's threads only when the kernel is
+# built with OpenMP (without it, the call runs on one thread whatever torch.set_num_threads says);
+# the library then uses the libgomp torch has loaded, and follows its thread count
+FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17", "-fopenmp"]
 # torch's report of the CPU's vector ISA -> the kernel's build flags (packed_linear.cpp picks its
 # vectors from the macros these set)
 ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
