@@ -113,6 +113,7 @@ def library() -> Path:
         for fn in (lib.linstream_packed_linear, lib.linstream_packed_linear_bf16, lib.linstream_packed_linear_int8):
             fn.argtypes = [p, i, i, i, p, i, p, p, p]
         lib.linstream_new_handles.argtypes, lib.linstream_new_handles.restype = [p, i, p], ctypes.c_int
+        lib.linstream_split_threads.argtypes, lib.linstream_split_threads.restype = [], i
         _lib = lib
         return path
 
@@ -121,6 +122,11 @@ def _loaded() -> ctypes.CDLL:
     if _lib is None:
         library()
     return _lib
+
+
+def split_threads() -> int:
+    """The threads our matmul splits a large product between now (torch's thread count)."""
+    return _loaded().linstream_split_threads()
 
 
 def new_handles():

@@ -27,6 +27,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <atomic>
+
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
@@ -192,6 +194,18 @@ void linstream_packed_linear_bf16(const float *x, int64_t M, int64_t K, int64_t 
 void linstream_packed_linear_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *p, int64_t N,
                                   const float *scale, const float *bias, float *y) {
     packed_linear(x, M, K, ldx, p, N, scale, bias, y);
+}
+
+// The threads a product's split runs on: as many as torch's thread count when the library is built
+// with OpenMP (at::parallel_for is serial without it), one chunk per thread here.
+int64_t linstream_split_threads(void) {
+    std::atomic<int64_t> most{0};
+    at::parallel_for(0, 64, 1, [&](int64_t, int64_t) {
+        int64_t t = at::get_thread_num() + 1, m = most.load();
+        while (t > m && !most.compare_exchange_weak(m, t)) {
+        }
+    });
+    return most.load();
 }
 
 // out[i] = a new handle to the tensor of in[i], for i < n: AOTInductor's run takes over the handles

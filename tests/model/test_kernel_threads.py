@@ -26,3 +26,15 @@ def test_threads_change_no_bits(dtype):
     finally:
         torch.set_num_threads(n)
     assert torch.equal(out[1], out[2]) and torch.equal(out[1], out[3])
+
+
+def test_a_product_is_split_between_torchs_threads():
+    """The split happens at all: a library built without OpenMP runs at::parallel_for on one
+    thread, and the test above then passes without anything being split."""
+    n = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert kernels.split_threads() == threads
+    finally:
+        torch.set_num_threads(n)
