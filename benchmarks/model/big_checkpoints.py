@@ -79,18 +79,9 @@ def template(arch: str, make_config) -> tuple[dict[str, torch.Tensor], dict[str,
     layer prefix) from a one-layer model of the real width (two for RWKV-7, whose first differs)."""
     torch.manual_seed(0)
     if arch == "RWKV7ForCausalLM":
-        from linstream.model.hf import _KEYS, hf_config
+        from linstream.model.hf import hf_config
         from linstream.model.lm import LM
-        model = LM(hf_config(make_config(2)))
-        back = {"embed.": "model.embeddings.", "norm.": "model.norm.", "head.": "lm_head."}
-        sd = {}
-        for k, v in model.state_dict().items():
-            if k.startswith("blocks."):
-                i, rest = k[len("blocks."):].split(".mixer.", 1)
-                sd[f"model.layers.{i}.{rest}"] = v
-            else:
-                sd[next(b + k[len(a):] for a, b in back.items() if k.startswith(a))] = v
-        assert _KEYS["RWKV7ForCausalLM"][0][1] == "embed."  # the names fla's loader maps back
+        sd = fla_names(LM(hf_config(make_config(2))).state_dict())
     else:
         import transformers
         sd = getattr(transformers, arch)(make_config(1)).state_dict()
@@ -98,6 +89,21 @@ def template(arch: str, make_config) -> tuple[dict[str, torch.Tensor], dict[str,
     outer = {k: v for k, v in sd.items() if not k.startswith(prefix)}
     layer = {k: v for k, v in sd.items() if k.startswith(prefix)}
     return outer, layer, prefix
+
+
+def fla_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A linstream RWKV-7 LM's state dict in fla's names (those the loader maps from)."""
+    from linstream.model.hf import _KEYS
+    assert _KEYS["RWKV7ForCausalLM"][0][1] == "embed."  # the names fla's loader maps back
+    back = {"embed.": "model.embeddings.", "norm.": "model.norm.", "head.": "lm_head."}
+    sd = {}
+    for k, v in state_dict.items():
+        if k.startswith("blocks."):
+            i, rest = k[len("blocks."):].split(".mixer.", 1)
+            sd[f"model.layers.{i}.{rest}"] = v
+        else:
+            sd[next(b + k[len(a):] for a, b in back.items() if k.startswith(a))] = v
+    return sd
 
 
 def perturbed(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

@@ -45,13 +45,27 @@ def write(ckpt: Path, kind: str) -> Path:
 
 
 def _write(ckpt: Path, kind: str) -> None:
-    from benchmarks.peers.twin_gguf import write_gguf
-    from linstream.model.hf import load_checkpoint
-    model, _ = load_checkpoint(ckpt)
+    from benchmarks.peers.twin_gguf import write_gguf, write_rwkv7_gguf
     out = gguf_path(ckpt, kind)
     part = out.with_suffix(".part")
-    write_gguf(model, ckpt / "tokenizer.json", part, kind=kind, eos=model.cfg.vocab_size - 1)
+    config = json.loads((ckpt / "config.json").read_text())
+    if config["architectures"] == ["RWKV7ForCausalLM"]:  # fla's names, read tensor by tensor from the files
+        write_rwkv7_gguf(config, _safetensors(ckpt), ckpt / "tokenizer.json", part, kind=kind,
+                         eos=config["vocab_size"] - 1)
+    else:
+        from linstream.model.hf import load_checkpoint
+        model, _ = load_checkpoint(ckpt)
+        write_gguf(model, ckpt / "tokenizer.json", part, kind=kind, eos=model.cfg.vocab_size - 1)
     part.rename(out)
+
+
+def _safetensors(ckpt: Path):
+    """(name, tensor) for every tensor of a checkpoint's safetensors files, one at a time."""
+    from safetensors import safe_open
+    for f in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, st.get_tensor(name)
 
 
 def agreement_mamba2(bins: dict) -> dict:
@@ -85,6 +99,40 @@ def agreement_mamba2(bins: dict) -> dict:
         srv.stop()
 
 
+def agreement_rwkv7(bins: dict) -> dict:
+    """As agreement_mamba2, for llama.cpp's `rwkv7`: a small random RWKV-7 in fla's layout (2 layers
+    of width 256, head size 64, its weights scaled by noise) written by write_rwkv7_gguf."""
+    import tempfile
+
+    import torch
+
+    from benchmarks.model.big_checkpoints import fla_names, rwkv7_config
+    from benchmarks.peers.llama_server import agreement
+    from benchmarks.peers.shipped import llama_bias
+    from benchmarks.peers.twin_gguf import write_rwkv7_gguf
+    from linstream.model import WEIGHTS
+    from linstream.model.hf import hf_config
+    from linstream.model.lm import LM
+    from linstream.model.tokenizer import Tokenizer
+    torch.manual_seed(0)
+    config = {**rwkv7_config(2), "hidden_size": 256, "num_heads": 4, "intermediate_size": 1024, "value_dim": [256] * 2,
+              "vocab_size": 2048, "decay_low_rank_dim": 32, "a_low_rank_dim": 32, "v_low_rank_dim": 32,
+              "gate_low_rank_dim": 64}
+    lm = LM(hf_config(config)).eval()
+    with torch.no_grad():
+        for w in lm.parameters():
+            w.mul_(1 + 0.3 * torch.randn_like(w))
+    work = Path(tempfile.mkdtemp(prefix="linstream-rwkv7-"))
+    tok = Tokenizer(WEIGHTS / "tokenizer.json")
+    gguf = write_rwkv7_gguf(config, fla_names(lm.state_dict()).items(), WEIGHTS / "tokenizer.json",
+                            work / "rwkv7-twin.gguf", eos=2047)
+    srv = llama_native.LlamaServer(bins["llama-server"], gguf, work / "llama-server.log", slots=1)
+    try:
+        return agreement(lm, srv.url, tok.encode("ROMEO:\nBut soft"), llama_bias(tok, 2047), n=32)
+    finally:
+        srv.stop()
+
+
 def write_gguf_of(lm, out: Path) -> Path:
     from benchmarks.peers.twin_gguf import write_gguf
     from linstream.model import WEIGHTS
@@ -109,8 +157,9 @@ def main(argv=None) -> None:
     ours = json.loads(Path(OURS).read_text()).get("models", {}) if Path(OURS).is_file() else {}
     results = json.loads(Path(a.out).read_text()) if Path(a.out).is_file() else {}
     results.update({"command": command(), "llama_cpp": llama_build.VERSION})
-    results["mamba2_agreement"] = agreement_mamba2(bins)
-    print(f"mamba2 twin, greedy tokens against llama-server: {results['mamba2_agreement']}", flush=True)
+    for arch, check in (("mamba2", agreement_mamba2), ("rwkv7", agreement_rwkv7)):
+        results[f"{arch}_agreement"] = check(bins)
+        print(f"{arch} twin, greedy tokens against llama-server: {results[f'{arch}_agreement']}", flush=True)
     rows = []
     for name in a.models:
         entry = results.setdefault("models", {}).setdefault(name, {})
