@@ -30,16 +30,18 @@ WARM_PROMPT = [11, 12, 13, 14]
 
 @contextlib.contextmanager
 def served(models: Sequence[str] = (), *serve_args: str, env: dict | None = None, threads: int = 1,
-           checkout: str | None = None, warm_s: float = 0.0, compiled: bool = False) -> Iterator[LocalServer]:
+           checkout: str | None = None, warm_s: float = 0.0, compiled: bool = False,
+           start_s: float = 60.0) -> Iterator[LocalServer]:
     """`linstream serve` in a subprocess on a free loopback port (harness.local_server.LocalServer),
     stopped when the block ends. `serve_args` are more `linstream serve` options.
 
     checkout: serve the code of another checkout (put first on PYTHONPATH, and the working directory).
     warm_s: first stream short greedy generations from each model for this long (`warm`).
     compiled: then wait until no model's decode step is still compiling; `srv.steps` holds each
-    model's step as the server reports it (compiled | eager)."""
+    model's step as the server reports it (compiled | eager).
+    start_s: how long the server may take to answer (a billion-parameter checkpoint loads for minutes)."""
     env = {**({"PYTHONPATH": checkout} if checkout else {}), **(env or {})}
-    srv = LocalServer(list(models), env, *serve_args, threads=threads, cwd=checkout)
+    srv = LocalServer(list(models), env, *serve_args, threads=threads, cwd=checkout, start_s=start_s)
     try:
         if warm_s:
             warm(srv.url, models, warm_s)

@@ -25,8 +25,8 @@ model() {  # in-process: the model, its kernels, its step, sampling, snapshots
   python -m benchmarks.model.snapshots           # model/snapshots.json (in-process and over each store)
   # billion-parameter checkpoints at published shapes (random weights, ~25 GB under ~/.cache/linstream)
   python -m benchmarks.model.big_checkpoints     # writes them once (Mamba 1.4B/2.8B, Mamba-2 1.3B, RWKV-7 1.5B)
-  python -m benchmarks.model.big_serving --models mamba-1.4b mamba2-1.3b --weights float32 int8 --prefill 256
-                                                 # model/big_checkpoints.json
+  python -m benchmarks.model.big_serving --weights float32 bfloat16 int8 --prefill 256
+                                                 # model/big_checkpoints.json (all four)
   # On a machine with a CUDA device (results under $OUT, default /tmp/gpu_check, not here):
   #   bash benchmarks/model/gpu_check.sh         # the CUDA tests, then benchmarks.model.gpu_decode
 }
@@ -71,7 +71,9 @@ peers() {  # beside llama.cpp (llama-cpp-python; its own llama-server and llama-
   python -m benchmarks.peers.shipped             # peers/shipped.json, .png
   python -m benchmarks.peers.mamba130m           # peers/mamba130m.json
   python -m benchmarks.peers.llama_server        # peers/llama_server.json (builds llama.cpp once: peers/llama_build.py)
-  python -m benchmarks.peers.llama_big --kinds f32 q8_0 --prompt 256   # peers/llama_big.json (after big_serving)
+  python -m benchmarks.peers.llama_big --models mamba-1.4b mamba2-1.3b rwkv7-1.5b mamba-2.8b --prompt 256
+                                                 # peers/llama_big.json (after big_serving)
+  python -m benchmarks.peers.llama_big_served --models mamba-1.4b rwkv7-1.5b   # peers/llama_big_served.json
   # benchmarks/peers/lm_eval_task/: lm-eval's `local_text` task against a running server
   # (--include_path benchmarks/peers/lm_eval_task --tasks local_text); no file here.
 }

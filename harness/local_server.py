@@ -48,7 +48,7 @@ def free_port() -> int:
 
 class LocalServer:
     def __init__(self, models: list[str] = (), env: dict | None = None, *extra: str, threads: int = 1,
-                 cwd: str | None = None):
+                 cwd: str | None = None, start_s: float = 60.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "linstream", "serve", "--port", str(self.port), "--threads", str(threads),
@@ -56,7 +56,7 @@ class LocalServer:
         for m in models:
             args += ["--model", m]
         self.proc = subprocess.Popen(args, cwd=cwd, env={**os.environ, **(env or {})})
-        if not wait_until_up(self.proc, self.url + "/healthz", 60):
+        if not wait_until_up(self.proc, self.url + "/healthz", start_s):
             self.stop()
             raise RuntimeError("server exited during start-up" if self.proc.poll() is not None else "server did not come up")
 
