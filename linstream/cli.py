@@ -41,6 +41,9 @@ def serve(
     port: Annotated[Optional[int], typer.Option(help=f"port {_default('port')}")] = None,
     max_sessions: Annotated[Optional[int], typer.Option(
         help=f"sessions in memory per recurrent model {_default('max_sessions')}")] = None,
+    max_state_bytes: Annotated[Optional[int], typer.Option(
+        help=f"bytes of session states in memory per recurrent model: fewer slots than --max-sessions where "
+             f"one state is large {_default('max_state_bytes')}")] = None,
     threads: Annotated[Optional[int], typer.Option(
         help=f"torch threads, 0 = one fewer than the CPUs (the event loop keeps one) {_default('threads')}")] = None,
     store: Annotated[Optional[str], typer.Option(
@@ -98,7 +101,8 @@ def serve(
         raise typer.BadParameter("use own, inductor or onednn", param_hint="--gemm")
     if step_runtime not in (None, "aoti", "dynamo"):
         raise typer.BadParameter("use aoti or dynamo", param_hint="--step-runtime")
-    given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions, "threads": threads,
+    given = {"models": model, "host": host, "port": port, "max_sessions": max_sessions,
+             "max_state_bytes": max_state_bytes, "threads": threads,
              "api_keys": api_key, "api_key_file": api_key_file, "metrics_key": metrics_key, "store": store,
              "session_ttl": session_ttl,
              "max_connections": max_connections, "names": name, "device": device, "dtype": dtype, "weights": weights,

@@ -171,7 +171,8 @@ def served(path: Path, name: str) -> dict:
     port = free_port()
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "linstream", "serve", "-m", str(path), "--port", str(port),
-                             "--threads", "1", "--log-level", "warning", "--compile", "off", "--max-sessions", "80"])
+                             "--threads", "1", "--log-level", "warning", "--compile", "off", "--max-sessions", "80",
+                             "--max-state-bytes", str(80 << 30)])  # 80 slots whatever the state's size
     try:
         if not wait_until_up(proc, f"http://127.0.0.1:{port}/healthz", 1800):
             return {"error": "the server did not come up"}

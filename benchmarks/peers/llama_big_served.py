@@ -124,6 +124,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--cold", type=int, default=2)
+    ap.add_argument("--parts", nargs="+", choices=["clients", "cold"], default=["clients", "cold"],
+                    help="measure only these (the others' figures in --out are kept)")
     ap.add_argument("--out", default=RESULT)
     a = ap.parse_args(argv)
     bins = llama_build.build()
@@ -141,12 +143,17 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         try:
             print(f"{name}: {PAIRS[a.kind]} weights against {gguf.name}", flush=True)
-            entry = {"kind": a.kind, "linstream_args": ["--threads", "1", *serve_args],
-                     "llama_server_args": ["-t", "1", "-tb", "1", "-np", str(max(a.levels)), "--cont-batching"],
-                     "tokens": a.tokens, "duration_s": a.duration, "sampling": http_load.SAMPLING}
-            entry["clients"] = clients(name, ckpt, gguf, bins, serve_args, a, extra, workdir)
-            entry["cold_start"] = cold_start(name, ckpt, gguf, bins, serve_args, max(a.levels), a.cold, extra, workdir)
-            entry["summary"] = summary(entry)
+            entry = results.setdefault("models", {}).get(f"{name}/{a.kind}", {})
+            entry.update({"kind": a.kind, "linstream_args": ["--threads", "1", *serve_args],
+                          "llama_server_args": ["-t", "1", "-tb", "1", "-np", str(max(a.levels)), "--cont-batching"],
+                          "tokens": a.tokens, "duration_s": a.duration, "sampling": http_load.SAMPLING})
+            if "clients" in a.parts:
+                entry["clients"] = clients(name, ckpt, gguf, bins, serve_args, a, extra, workdir)
+            if "cold" in a.parts:
+                entry["cold_start"] = cold_start(name, ckpt, gguf, bins, serve_args, max(a.levels), a.cold, extra,
+                                                 workdir)
+            if "clients" in entry:
+                entry["summary"] = summary(entry)
             entry["seconds"] = round(time.perf_counter() - t0, 1)
             results.setdefault("models", {})[f"{name}/{a.kind}"] = entry
             results["load_average_1min_at_end"] = os.getloadavg()[0]

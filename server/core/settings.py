@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     # quarter / half of the bytes
     weights: Literal["float32", "int8", "bfloat16"] = "float32"
     max_sessions: int = 1024  # recurrent models: sessions held in memory (state slots)
+    # recurrent models: the bytes a model's slot pool may hold, so the slots are at most this over
+    # one session's state (a 1.4 B Mamba's state is 15 MB: 1,024 slots would be 15 GiB, made at
+    # start-up); sessions past the slots wait in the store, as past max_sessions
+    max_state_bytes: int = Field(2 << 30, gt=0)
     max_kv_sessions: int = 4  # KV-cache models: every slot's cache grows to the longest context held
     # KV-cache models (softmax, hybrid): the cache bytes one session may hold (a push or generation
     # that would pass it: 413 kv_budget_exceeded), and that a model's slot pool may hold; every

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from linstream.model.footprint import footprint
 from linstream.model.hf import CheckpointError, check_checkpoint, load_checkpoint
 from linstream.model.hub import is_repo_id
 
@@ -66,6 +67,18 @@ def check_checkpoints(settings: Settings) -> None:
             raise SystemExit(f"cannot serve {path}: {e}") from None
 
 
+def state_slots(model, settings: Settings, name: str = "") -> int:
+    """A recurrent model's slots: max_sessions, or fewer where that many states would pass
+    max_state_bytes (the pool is made, and zeroed, at start-up); at least one."""
+    per = footprint(model)["state_bytes_per_session"]
+    slots = max(1, min(settings.max_sessions, settings.max_state_bytes // per))
+    if slots < settings.max_sessions:
+        print(f"model {name or model.cfg.mixer}: {slots} session slots in memory, not {settings.max_sessions}: one state "
+              f"is {per / 2**20:.1f} MiB and max_state_bytes is {settings.max_state_bytes / 2**30:.1f} GiB",
+              file=sys.stderr, flush=True)
+    return slots
+
+
 def load_engines(settings: Settings, metrics: Metrics) -> dict[str, Engine]:
     """Served name -> engine, in the order of settings.models (the first is the default).
     A checkpoint that cannot be served stops the server with a message naming it."""
@@ -82,7 +95,7 @@ def load_engines(settings: Settings, metrics: Metrics) -> dict[str, Engine]:
         if served in engines:
             raise SystemExit(f"two models named {served!r}: give one another name with --name")
         kv = any(b.mixer.time_dims for b in model.blocks)
-        slots = settings.max_kv_sessions if kv else settings.max_sessions
+        slots = settings.max_kv_sessions if kv else state_slots(model, settings, str(path))
         engines[served] = Engine(served, model, tok, slots, settings.prefill_chunk, settings.max_batch,
                                  metrics, settings.lookahead, settings.compile, settings.prefill_share,
                                  settings.gemm, settings.step_runtime)
