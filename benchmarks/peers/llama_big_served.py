@@ -33,8 +33,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from benchmarks.common import command, served, write_json
 from benchmarks.model.big_checkpoints import OUT
 from benchmarks.peers import http_load, llama_build, llama_native
@@ -48,19 +46,6 @@ RESULT = "benchmarks/results/peers/llama_big_served.json"
 START_S = 900  # a server may take this long to load a checkpoint and answer
 
 
-def _poster(url: str, body: dict):
-    """One streamed completion: None while nothing listens, False without a token, True with one."""
-    def post() -> bool | None:
-        try:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-                if r.status_code != 200:  # llama-server answers 503 while it loads the model
-                    return False
-                return any(line.startswith("data:") and "choices" in line for line in r.iter_lines())
-        except httpx.TransportError:
-            return None
-    return post
-
-
 def cold_start(name: str, ckpt: Path, gguf: Path, bins: dict, serve_args: list[str], slots: int, starts: int,
                extra: dict, workdir: Path) -> dict:
     prompt = Tokenizer(ckpt / "tokenizer.json").encode(PROMPT * 2)[:16]
@@ -70,12 +55,12 @@ def cold_start(name: str, ckpt: Path, gguf: Path, bins: dict, serve_args: list[s
         args = [sys.executable, "-m", "linstream", "serve", "--port", str(port), "--threads", "1", "--log-level",
                 "warning", "--store", f"disk:{workdir / 'cold-store'}", *serve_args, "--model", str(ckpt)]
         body = {"model": name, "prompt": prompt, "max_tokens": 1, "stream": True, "temperature": 0}
-        res["linstream"].append(llama_native.first_token_s(args, _poster(f"http://127.0.0.1:{port}", body),
+        res["linstream"].append(llama_native.first_token_s(args, llama_native.completion_poster(f"http://127.0.0.1:{port}", body, 120),
                                                           workdir / "cold-linstream.log"))
         port = free_port()
         args = llama_native.server_args(bins["llama-server"], gguf, port, slots, 512)
         body = {"prompt": prompt, "max_tokens": 1, "stream": True, "temperature": 0, **extra}
-        res["llama_cpp"].append(llama_native.first_token_s(args, _poster(f"http://127.0.0.1:{port}", body),
+        res["llama_cpp"].append(llama_native.first_token_s(args, llama_native.completion_poster(f"http://127.0.0.1:{port}", body, 120),
                                                           workdir / "cold-llama.log"))
         print("  cold start: " + ", ".join(f"{k} up {v[-1]['up_s']:.1f} s, first token {v[-1]['first_token_s']:.1f} s"
                                            for k, v in res.items() if k != "prompt_tokens"), flush=True)

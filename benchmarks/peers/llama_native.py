@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
+
 from benchmarks.common import process_cpu
 from harness.local_server import free_port, stop_process, wait_until_up
 
@@ -66,6 +68,21 @@ class LlamaServer:
     def stop(self) -> None:
         stop_process(self.proc, grace=10)
         self._log.close()
+
+
+def completion_poster(url: str, body: dict, timeout: float = 30):
+    """For first_token_s: one streamed `POST /v1/completions` of `body` to the server at `url`;
+    None while nothing listens, False when it answers without a token (llama-server: 503 while it
+    loads the model), True with one."""
+    def post() -> bool | None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+                if r.status_code != 200:
+                    return False
+                return any(line.startswith("data:") and "choices" in line for line in r.iter_lines())
+        except httpx.TransportError:  # not listening yet
+            return None
+    return post
 
 
 def first_token_s(args: list[str], post, log: Path) -> dict:

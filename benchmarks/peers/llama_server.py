@@ -171,17 +171,7 @@ def cold_start(a, ckpt: Path, gguf: Path, server: Path, workdir: Path) -> dict:
     prompt = Tokenizer(ckpt / "tokenizer.json").encode(PROMPT)[:16]
     extra = llama_bias(Tokenizer(ckpt / "tokenizer.json"), twin_gguf.EOS)
 
-    def poster(url: str, body: dict):
-        def post() -> bool | None:
-            try:
-                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-                    if r.status_code != 200:  # llama-server answers 503 while it loads the model
-                        return False
-                    return any(line.startswith("data:") and "choices" in line for line in r.iter_lines())
-            except httpx.TransportError:  # not listening yet
-                return None
-        return post
-
+    poster = llama_native.completion_poster
     res = {"prompt_tokens": len(prompt), "linstream": [], "llama_cpp": []}
     for _ in range(a.cold):
         port = free_port()
