@@ -36,8 +36,20 @@ class Run:
     """One generation of a request: its stream (on a temporary or a named session) and prompt."""
     stream: Stream
     ids: list[int]
-    echo: list | None  # (token, logprob, top) of the prompt, when echoed with logprobs
+    prompt_logprobs: list | None  # (logprob, top) of each prompt token pushed, when echoed with logprobs
     temp: bool
+    from_start: bool = True  # the prompt was pushed from position 0: its first token has no context
+
+    @property
+    def echo(self) -> list | None:
+        """(token, logprob, top) of the prompt, when echoed with logprobs. Made when asked for:
+        one choice's serves every choice of its prompt, and over a long prompt each list costs the
+        event loop tens of milliseconds."""
+        if self.prompt_logprobs is None:
+            return None
+        first = self.from_start
+        return [(t, None if first and i == 0 else lp, None if first and i == 0 else top)
+                for i, (t, (lp, top)) in enumerate(zip(self.ids, self.prompt_logprobs))]
 
     @property
     def session(self) -> Session:
@@ -91,17 +103,14 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
             # a continued session answered in one body: if its client leaves first, the session goes back to this
             undo = None if temp or req.stream else await rt.mark(s)
             _, pre = await rt.push(s, ids[start:] if temp else ids, echo_logprobs)
-            echo = None
-            if pre is not None and echo_logprobs is not None:  # the very first token has no context
-                echo = [(t, None if start == 0 and i == 0 else lp, None if start == 0 and i == 0 else top)
-                        for i, (t, (lp, top)) in enumerate(zip(ids, pre.results))]
+            prompt_logprobs = pre.results if pre is not None and echo_logprobs is not None else None
             st = rt.generate(s, params, logprobs, matcher)
             st.undo = undo
     except BaseException:  # cancellation (the client left, shutdown) included
         if temp:  # shielded: a second cancellation must not cut the delete short
             await asyncio.shield(rt.spawn(rt.delete(s)))
         raise
-    return Run(st, ids, echo, temp)
+    return Run(st, ids, prompt_logprobs, temp, start == 0)
 
 
 def _runs(req: OpenAISampling, count: int) -> None:
@@ -348,8 +357,9 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
 
     def echo_of(k: int, run: Run) -> tuple[str, dict | None]:
         if k // best not in echoes:
+            echo = run.echo
             echoes[k // best] = (run.tok.decode(run.ids) if req.echo else "",
-                                 _logprobs_obj(run.tok, run.echo) if run.echo else None)
+                                 _logprobs_obj(run.tok, echo) if echo else None)
         return echoes[k // best]
 
     if req.stream:
