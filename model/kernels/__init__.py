@@ -142,8 +142,10 @@ def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     packs exactly)."""
     if dtype not in PANEL_DTYPES:
         raise ValueError(f"packed_linear holds float32, bfloat16 or int8 panels, not {dtype}")
+    N, K = weight.shape
+    if weight.is_meta:  # a model restored structurally: its panels' shape only, their values assigned later
+        return torch.empty((N + NR - 1) // NR, K, NR, dtype=dtype, device="meta")
     w = weight.detach().float().contiguous()
-    N, K = w.shape
     p = torch.empty((N + NR - 1) // NR, K, NR)
     _loaded().linstream_pack(w.data_ptr(), N, K, p.data_ptr())
     return p.to(dtype)

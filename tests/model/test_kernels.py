@@ -87,3 +87,11 @@ def test_strided_rows_and_bad_inputs():
         torch.ops.linstream.packed_linear(torch.randn(4, 32), p, None, 65)  # more outputs than the panels hold
     with pytest.raises(ValueError, match="do not go together"):
         torch.ops.linstream.packed_linear(torch.randn(4, 32), p, torch.randn(63), 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_meta_weight_packs_to_meta_panels_of_the_same_shape(dtype):
+    """A model restored structurally on the meta device gets panels of the right shape to assign to."""
+    w = torch.randn(70, 48)
+    meta = pack(w.to("meta"), dtype)
+    assert meta.is_meta and meta.dtype == dtype and meta.shape == pack(w, dtype).shape
