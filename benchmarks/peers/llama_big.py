@@ -25,7 +25,7 @@ from pathlib import Path
 from benchmarks.common import command, write_json
 from benchmarks.model.big_checkpoints import OUT
 from benchmarks.model.big_serving import RESULT as OURS
-from benchmarks.peers import llama_build, llama_native
+from benchmarks.peers import host, llama_build, llama_native
 
 RESULT = "benchmarks/results/peers/llama_big.json"
 PAIRS = {"f32": "float32", "f16": "bfloat16", "q8_0": "int8"}  # llama.cpp's file type -> linstream's weights
@@ -157,6 +157,7 @@ def main(argv=None) -> None:
     ours = json.loads(Path(OURS).read_text()).get("models", {}) if Path(OURS).is_file() else {}
     results = json.loads(Path(a.out).read_text()) if Path(a.out).is_file() else {}
     results.update({"command": command(), "llama_cpp": llama_build.VERSION})
+    print(host.line(), flush=True)
     for arch, check in (("mamba2", agreement_mamba2), ("rwkv7", agreement_rwkv7)):
         results[f"{arch}_agreement"] = check(bins)
         print(f"{arch} twin, greedy tokens against llama-server: {results[f'{arch}_agreement']}", flush=True)
@@ -181,6 +182,9 @@ def main(argv=None) -> None:
                 row["prefill_t2"] = {"llama_cpp_tok_s": round(peer[f"pp{a.prompt}_t2"]["tokens_per_s"], 1),
                                      "linstream_tok_s": mine.get("prefill_tok_s")}
             row["llama_bench"] = peer
+            # the file gathers rows from several runs: each row names its machine
+            row |= {"cpu": host.CPU, "llama_no_repack": host.REPACK.no_repack}
+            results |= host.record()
             entry[kind] = row
             rows.append((name, row))
             write_json(a.out, results)

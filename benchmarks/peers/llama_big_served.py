@@ -35,7 +35,7 @@ from pathlib import Path
 
 from benchmarks.common import command, served, write_json
 from benchmarks.model.big_checkpoints import OUT
-from benchmarks.peers import http_load, llama_build, llama_native
+from benchmarks.peers import host, http_load, llama_build, llama_native
 from benchmarks.peers.llama_big import PAIRS
 from benchmarks.peers.llama_big import write as write_gguf
 from benchmarks.peers.shipped import PROMPT, llama_bias, machine, on_cpu
@@ -57,11 +57,9 @@ def cold_start(name: str, ckpt: Path, gguf: Path, bins: dict, serve_args: list[s
         body = {"model": name, "prompt": prompt, "max_tokens": 1, "stream": True, "temperature": 0}
         res["linstream"].append(llama_native.first_token_s(args, llama_native.completion_poster(f"http://127.0.0.1:{port}", body, 120),
                                                           workdir / "cold-linstream.log"))
-        port = free_port()
-        args = llama_native.server_args(bins["llama-server"], gguf, port, slots, 512)
         body = {"prompt": prompt, "max_tokens": 1, "stream": True, "temperature": 0, **extra}
-        res["llama_cpp"].append(llama_native.first_token_s(args, llama_native.completion_poster(f"http://127.0.0.1:{port}", body, 120),
-                                                          workdir / "cold-llama.log"))
+        res["llama_cpp"].append(llama_native.server_first_token_s(bins["llama-server"], gguf, slots, body,
+                                                                 workdir / "cold-llama.log", 120))
         print("  cold start: " + ", ".join(f"{k} up {v[-1]['up_s']:.1f} s, first token {v[-1]['first_token_s']:.1f} s"
                                            for k, v in res.items() if k != "prompt_tokens"), flush=True)
     return res
@@ -116,6 +114,7 @@ def main(argv=None) -> None:
     bins = llama_build.build()
     results = json.loads(Path(a.out).read_text()) if Path(a.out).is_file() else {}
     results.update({"command": command(), "machine": machine(), "llama_cpp": llama_build.VERSION})
+    print(host.line(), flush=True)
     for name in a.models:
         ckpt = a.dir / name
         gguf = write_gguf(ckpt, a.kind)
@@ -130,7 +129,6 @@ def main(argv=None) -> None:
             print(f"{name}: {PAIRS[a.kind]} weights against {gguf.name}", flush=True)
             entry = results.setdefault("models", {}).get(f"{name}/{a.kind}", {})
             entry.update({"kind": a.kind, "linstream_args": ["--threads", "1", *serve_args],
-                          "llama_server_args": ["-t", "1", "-tb", "1", "-np", str(max(a.levels)), "--cont-batching"],
                           "tokens": a.tokens, "duration_s": a.duration, "sampling": http_load.SAMPLING})
             if "clients" in a.parts:
                 entry["clients"] = clients(name, ckpt, gguf, bins, serve_args, a, extra, workdir)
@@ -140,6 +138,12 @@ def main(argv=None) -> None:
             if "clients" in entry:
                 entry["summary"] = summary(entry)
             entry["seconds"] = round(time.perf_counter() - t0, 1)
+            # the file gathers models from several runs: each names its machine (a retry without
+            # repacking, made during the run, included)
+            entry |= {"cpu": host.CPU, "llama_no_repack": host.REPACK.no_repack,
+                      "llama_server_args": ["-t", "1", "-tb", "1", "-np", str(max(a.levels)), "--cont-batching",
+                                            *host.REPACK.server_args()]}
+            results |= host.record()
             results.setdefault("models", {})[f"{name}/{a.kind}"] = entry
             results["load_average_1min_at_end"] = os.getloadavg()[0]
             write_json(a.out, results)

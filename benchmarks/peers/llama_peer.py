@@ -1,7 +1,7 @@
 """llama.cpp through llama-cpp-python (the registry package, which builds llama.cpp from the source
 it bundles): single-token decode timed at the C API, the logits it computes, and its
 OpenAI-compatible server (`python -m llama_cpp.server`, Python/FastAPI around the same library;
-not the C++ `llama-server`) in a subprocess.
+not the C++ `llama-server`) in a subprocess. Both load with repacking off where host.REPACK says so.
 """
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.peers.host import REPACK, check_output
 from harness.local_server import free_port, stop_process, wait_until_up
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: where a child process imports this module from
 
 
 def why_unavailable() -> str | None:
@@ -29,9 +32,51 @@ def version() -> str:
     return llama_cpp.__version__
 
 
+def repack_off() -> None:
+    """Load every later model of this process without repacking its weights. llama-cpp-python's
+    Llama takes no such option: it starts its model parameters from llama_model_default_params(),
+    so that function is wrapped to hand them back with use_extra_bufts off."""
+    import llama_cpp.llama_cpp as c
+    default = c.llama_model_default_params
+    if getattr(default, "repack_off", False):  # wrapped already
+        return
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+    params.repack_off = True
+    c.llama_model_default_params = params
+
+
+# a child process that loads a GGUF as REPACK says (argv: path, 1 for repacking off) and evaluates two tokens
+_PROBE = f"""import sys
+sys.path.insert(0, {str(ROOT)!r})
+from llama_cpp import Llama
+from benchmarks.peers.llama_peer import repack_off
+if sys.argv[2] == "1":
+    repack_off()
+Llama(model_path=sys.argv[1], n_threads=1, n_ctx=64, verbose=True).eval([0, 1])
+"""
+
+
+def probe(gguf: Path) -> None:
+    """Evaluate `gguf` in a child process first: the abort on repacked weights would end this one.
+    Raises RepackAborted if it aborts so (another failure is left to the load here to report)."""
+    p = subprocess.run([sys.executable, "-c", _PROBE, str(gguf), str(int(REPACK.no_repack))],
+                       capture_output=True, text=True, timeout=300, check=False)
+    if p.returncode != 0:
+        check_output(p.stderr, "llama-cpp-python")
+
+
 def load(gguf: Path, n_ctx: int = 4096):
-    """One compute thread for single tokens and for prompts alike, as linstream is run."""
+    """One compute thread for single tokens and for prompts alike, as linstream is run; repacking
+    off where REPACK says, or where a child process aborted on the repacked weights."""
     from llama_cpp import Llama
+    if not REPACK.no_repack:
+        REPACK.retrying(lambda: probe(gguf))
+    if REPACK.no_repack:
+        repack_off()
     return Llama(model_path=str(gguf), n_threads=1, n_threads_batch=1, n_ctx=n_ctx, n_batch=512, verbose=False)
 
 
@@ -96,7 +141,12 @@ class LlamaServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log, "w")
-        args = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+        # `python -m llama_cpp.server`, or the same module run after repack_off()
+        head = ["-c", f"import runpy, sys; sys.path.insert(0, {str(ROOT)!r}); "
+                      "from benchmarks.peers.llama_peer import repack_off; repack_off(); "
+                      "runpy.run_module('llama_cpp.server', run_name='__main__', alter_sys=True)"] \
+            if REPACK.no_repack else ["-m", "llama_cpp.server"]
+        args = [sys.executable, *head, "--model", str(gguf), "--host", "127.0.0.1",
                 "--port", str(self.port), "--n_threads", "1", "--n_threads_batch", "1", "--n_ctx", str(n_ctx),
                 "--interrupt_requests", "False", "--verbose", "False"]
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)

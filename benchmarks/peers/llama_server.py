@@ -39,7 +39,7 @@ import httpx
 import torch
 
 from benchmarks.common import command, served, write_json
-from benchmarks.peers import http_load, llama_build, llama_native, twin_gguf
+from benchmarks.peers import host, http_load, llama_build, llama_native, twin_gguf
 from benchmarks.peers import llama_server_report as report
 from benchmarks.peers.shipped import PROMPT, llama_bias, machine, on_cpu
 from harness.local_server import free_port
@@ -181,11 +181,9 @@ def cold_start(a, ckpt: Path, gguf: Path, server: Path, workdir: Path) -> dict:
         body = {"model": NAME, "prompt": prompt, "max_tokens": 1, "stream": True, "temperature": 0}
         res["linstream"].append(llama_native.first_token_s(args, poster(f"http://127.0.0.1:{port}", body),
                                                           workdir / "cold-linstream.log"))
-        port = free_port()
-        args = llama_native.server_args(server, gguf, port, max(a.levels), 512)
         body = {"prompt": prompt, "max_tokens": 1, "stream": True, "temperature": 0, **extra}
-        res["llama_cpp"].append(llama_native.first_token_s(args, poster(f"http://127.0.0.1:{port}", body),
-                                                          workdir / "cold-llama.log"))
+        res["llama_cpp"].append(llama_native.server_first_token_s(server, gguf, max(a.levels), body,
+                                                                 workdir / "cold-llama.log"))
         print("  cold start: " + ", ".join(f"{k} up {v[-1]['up_s']:.2f} s, first token {v[-1]['first_token_s']:.2f} s"
                                            for k, v in res.items() if k != "prompt_tokens"), flush=True)
     return res
@@ -217,6 +215,7 @@ def main(argv=None):
                "versions": versions() | {"linstream": a.revision or revision()}, "peer_model": {"layers": twin_gguf.TWIN_LAYERS, "parameters": twin.num_params(),
                                                       "dtype": "f32", "gguf": gguf.name}}
         print(f"peer model: {twin.num_params():,} parameters; llama.cpp {out['versions']['llama_cpp']}", flush=True)
+        print(host.line(), flush=True)
         only = set(a.only or ["in_process", "http", "cold"])
         if "in_process" in only:
             print("in-process: llama-bench against linstream's step and prefill ...", flush=True)
@@ -230,6 +229,7 @@ def main(argv=None):
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     out["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
+    out |= host.record()  # after the runs: a retry without repacking is recorded
     out["table"] = report.rows(out)
     out["seconds"] = round(time.perf_counter() - t_start, 1)
     print(report.render(out["table"]))

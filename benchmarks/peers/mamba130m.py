@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import command, write_json
-from benchmarks.peers import hf_peer, llama_peer, shipped, twin_gguf
+from benchmarks.peers import hf_peer, host, llama_peer, shipped, twin_gguf
 from linstream.model import WEIGHTS
 from linstream.model.compiled import Stepper
 from linstream.model.generate import prefill
@@ -114,6 +114,7 @@ def run(a, work: Path) -> dict:
     model, tok = load_checkpoint(path)
     model.requires_grad_(False)
     print(f"checkpoint: {path.name}, {model.num_params():,} parameters", flush=True)
+    print(host.line(), flush=True)
     steps, built = {}, {}
     for weights in ("float32", "bfloat16", "int8"):
         m = model if weights == "float32" else load_checkpoint(path, weights=weights)[0].requires_grad_(False)
@@ -165,7 +166,7 @@ def run(a, work: Path) -> dict:
     return {"command": command(), "machine": shipped.machine(), "versions": shipped.versions(),
             "shape": SHAPE, "parameters": model.num_params(), "context": a.context,
             "linstream_step": built,
-            "in_process_batch_1": inproc, "linstream_batches": batches, "agreement": agree}
+            "in_process_batch_1": inproc, "linstream_batches": batches, "agreement": agree, **host.record()}
 
 
 if __name__ == "__main__":

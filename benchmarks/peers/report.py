@@ -86,9 +86,11 @@ def render(rows: list[dict], out: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     agree = out["agreement"]
     m = out["machine"]
-    notes = ["", f"machine: {m['cpu']}, {m['cores']} cores, one compute thread per system, 1-minute load average "
-                 f"{m['load_average_1min_at_start']:.1f} at the start and {m['load_average_1min_at_end']:.1f} at the end; "
-                 f"versions {out['versions']}",
+    cpu = out.get("cpu") or {"model": m["cpu"], "flags": []}  # files written before the flags were recorded
+    notes = ["", f"machine: {cpu['model']} [{' '.join(cpu['flags'])}], {m['cores']} cores, one compute thread per "
+                 f"system, 1-minute load average {m['load_average_1min_at_start']:.1f} at the start and "
+                 f"{m['load_average_1min_at_end']:.1f} at the end; llama.cpp repacking "
+                 f"{'off' if out.get('llama_no_repack') else 'on'}; versions {out['versions']}",
              f"peer model: random-weight Mamba-1, {out['peer_model']['layers']} mixer-only layers, "
              f"{out['peer_model']['parameters']:,} parameters, f32 (linstream `mamba`: "
              f"{out['in_process']['linstream']['parameters']:,}); tokenizer: {out['peer_model']['tokenizer']}",

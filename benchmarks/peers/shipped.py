@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import command, pct, process_cpu, served, write_json
-from benchmarks.peers import hf_peer, http_load, llama_peer, report, twin_gguf
+from benchmarks.peers import hf_peer, host, http_load, llama_peer, report, twin_gguf
 from linstream.model import tokenizer_file
 from linstream.model.compiled import Stepper
 from linstream.model.generate import decode_one_token, prefill
@@ -200,6 +200,7 @@ def run(a, levels: list[int], workdir: Path) -> None:
     gguf = Path(a.gguf) if a.gguf else workdir / "mamba-peer-f32.gguf"
     twin_gguf.write_gguf(twin, tokenizer_file(twin_gguf.MAMBA), gguf)
     print(f"peer model: {gguf} ({twin.num_params():,} parameters, {twin_gguf.TWIN_LAYERS} mixer-only Mamba layers)")
+    print(host.line(), flush=True)
     llama_error, hf_error = llama_peer.why_unavailable(), hf_peer.why_unavailable()
     llm = hf = None
     if llama_error is None:
@@ -229,7 +230,7 @@ def run(a, levels: list[int], workdir: Path) -> None:
                                        f"EOS = token {twin_gguf.EOS}, forbidden by logit_bias"},
            "in_process": inproc, "agreement": agree, "http": http,
            "errors": {k: v for k, v in (("llama_cpp", llama_error), ("transformers", hf_error)) if v},
-           "reference": REFERENCE, "seconds": round(time.perf_counter() - t_start, 1)}
+           "reference": REFERENCE, "seconds": round(time.perf_counter() - t_start, 1), **host.record()}
     rows = report.table_rows(out)
     print(report.render(rows, out))
     out["table"] = rows
