@@ -33,10 +33,11 @@ def serve(
         help="the API's name for the model given by the same-numbered --model (default: its directory's name)")] = None,
     device: Annotated[Optional[str], typer.Option(help=f"cpu | cuda | cuda:N {_default('device')}")] = None,
     dtype: Annotated[Optional[str], typer.Option(
-        help=f"weights' dtype: float32 | bfloat16 | float16 (imported checkpoints); states stay float32 {_default('dtype')}")] = None,
+        help=f"on a GPU, the whole model's dtype: float32 | bfloat16 | float16; on the CPU the same as --weights "
+             f"{_default('dtype')}")] = None,
     weights: Annotated[Optional[str], typer.Option(
-        help=f"projections' weights: float32 | int8 (weight-only) | bfloat16 (cpu, float32 dtype) "
-             f"{_default('weights')}")] = None,
+        help=f"the projections' format on the CPU: auto (as the checkpoint stores them) | float32 | bfloat16 | "
+             f"float16 | int8 (weight-only); converted once and cached; states stay float32 {_default('weights')}")] = None,
     host: Annotated[Optional[str], typer.Option(help=f"bind address {_default('host')}")] = None,
     port: Annotated[Optional[int], typer.Option(help=f"port {_default('port')}")] = None,
     max_sessions: Annotated[Optional[int], typer.Option(

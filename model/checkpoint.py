@@ -33,6 +33,7 @@ import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -280,29 +281,58 @@ def parameters_on_meta():
 
 
 def load_weights(model: nn.Module, stored: dict[str, Stored], dtype: torch.dtype, tie: tuple[str, str] | None,
-                 config_json: str) -> str:
+                 config_json: str, serve: dict[str, Callable[[nn.Linear], nn.Module]] | None = None) -> str:
     """Put the stored tensors into `model` (parameters on meta, shapes checked), mapped where the
     stored dtype is `dtype` (floating tensors), converted one by one otherwise. `tie`: (head, embedding)
-    names of a head that is the embedding. Returns the model's digest as LM.digest computes it for
-    a float32 model (sha256 of config_json, then each state-dict tensor by name, as float32), made
-    as the tensors go by: the fingerprint a snapshot names its checkpoint by, whatever the dtype."""
+    names of a head that is the embedding. `serve`: module name -> how that nn.Linear is served
+    (another format, packed panels): it is handed an nn.Linear over its tensors as mapped, in the
+    stored dtype, and its result replaces the module before the next tensor is read, so the
+    stored weights and the served ones exist together for one projection at a time.
+    Returns the model's digest as LM.digest computes it for a float32 model (sha256 of config_json,
+    then each state-dict tensor by name, as float32), made as the tensors go by: the fingerprint a
+    snapshot names its checkpoint by, whatever the format."""
+    serve = serve or {}
     h = hashlib.sha256(config_json.encode())
     sd: dict[str, Tensor] = {}
+    biases: dict[str, Tensor | None] = {}  # a served projection's bias, until its weight comes (b < w)
     for name in sorted(model.state_dict()):
         t = map_tensor(stored[tie[1] if tie and name == tie[0] else name])  # (the tied head: as stored, not cast)
         wide = t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
         h.update(name.encode())
         h.update(wide.contiguous().reshape(-1).view(torch.uint8).numpy())
         del wide
-        if t.is_floating_point() and t.dtype != dtype:
-            t = t.to(dtype)  # the mapping goes with the mapped tensor
         if tie and name == tie[0]:
             continue
+        owner, _, leaf = name.rpartition(".")
+        if owner in serve and leaf in ("weight", "bias"):
+            if leaf == "bias":
+                biases[owner] = t.to(dtype)
+            else:
+                _serve(model, owner, t, biases.pop(owner, None), serve[owner])
+            del t
+            continue
+        if t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)  # the mapping goes with the mapped tensor
         sd[name] = t
-    if tie:
+    head = tie[0].rpartition(".")[0] if tie else None
+    if tie and head in serve:  # the head served on its own (a copy of the embedding in its format)
+        _serve(model, head, sd[tie[1]], None, serve[head])
+    elif tie:
         sd[tie[0]] = sd[tie[1]]
-    model.load_state_dict(sd, assign=True)
-    if tie:  # assign wraps each name's tensor in a Parameter of its own: tie them again
-        head, embed = (m.rpartition(".")[0] for m in tie)
-        model.get_submodule(head).weight = model.get_submodule(embed).weight
+    unexpected = model.load_state_dict(sd, assign=True, strict=not serve).unexpected_keys
+    if unexpected:
+        raise CheckpointError(f"tensors the model does not hold: {unexpected[:5]}")
+    if tie and head not in serve:  # assign wraps each name's tensor in a Parameter of its own: tie them again
+        model.get_submodule(head).weight = model.get_submodule(tie[1].rpartition(".")[0]).weight
     return h.hexdigest()
+
+
+def _serve(model: nn.Module, name: str, weight: Tensor, bias: Tensor | None, how: Callable[[nn.Linear], nn.Module]):
+    """Module `name` (an nn.Linear on meta) replaced by how(an nn.Linear over these tensors)."""
+    with torch.device("meta"):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, how(linear))

@@ -15,11 +15,14 @@ imported model is an ordinary `LM`: sessions, snapshots, batching and stores nee
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
+import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from . import tokenizer_file
 from .checkpoint import (
@@ -32,7 +35,9 @@ from .checkpoint import (
     load_weights,
     parameters_on_meta,
 )
-from .compiled.lowp import to_weights
+from . import kernels, weight_cache
+from .compiled.gemm import IN_PLACE_BYTES, pack_in_place, packable, packed_alone
+from .compiled.lowp import FORMATS, STORED_FORMATS, WEIGHT_FORMATS, convertible, to_weights
 from .config import ModelConfig
 from .lm import LM
 from .mixers.fla_common import mlp_width
@@ -40,6 +45,8 @@ from .mixers.fla_rwkv6 import ffn_width
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FORMAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+log = logging.getLogger("linstream.weights")
 __all__ = ["DTYPES", "PICKLED", "CheckpointError", "check_checkpoint", "hf_config", "is_hf", "load_checkpoint"]
 
 
@@ -51,25 +58,117 @@ def is_hf(path: Path) -> bool:
         return False
 
 
-def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32",
-                    weights: str = "float32") -> tuple[LM, Tokenizer]:
-    """The model and tokenizer in `path` (either layout), weights moved to `device` and cast to
-    `dtype` (one of DTYPES), then its projections held as `weights` (model/compiled/lowp.py: "int8" on CPU
-    with float32 dtype only). The state stays float32 whatever the dtype (see LM.init_state).
+def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32", weights: str = "auto",
+                    pack: bool | None = False, cache: Path | None = None) -> tuple[LM, Tokenizer]:
+    """The model and tokenizer in `path` (either layout). On the CPU with dtype float32, its
+    projections are served in `weights` (WEIGHT_FORMATS; "auto": the format they are stored in),
+    everything else in float32; with `pack` (None: where the projections hold more than
+    gemm.IN_PLACE_BYTES and our kernel runs here) as our kernel's panels only. Each projection is
+    converted as it is read (checkpoint.load_weights), so the stored and the served weights exist
+    together for one projection at a time and no float32 copy of a smaller format is made. With
+    `cache` (a folder: model/weight_cache.py), converted weights are written there once and mapped
+    at later starts. On another device, or with another dtype, the whole model is cast to `dtype`
+    (its projections float32). The state stays float32 whatever the format (see LM.init_state).
     Everything in the directory is checked before it is used (check_checkpoint): a checkpoint
     whose config, weights or tokenizer do not agree is refused with a CheckpointError naming why."""
     model, stored, tok = _prepare(path, device, dtype, weights)
-    # the fingerprint names the checkpoint, as its float32 weights: a snapshot moves between servers
-    # of one checkpoint on any device or dtype (their states are all float32) and continues
-    # within the lower precision's tolerance
     cfg = model.cfg
-    target = DTYPES[dtype] if device == "cpu" else torch.float32
-    model._fingerprint = load_weights(model, stored, target, ("head.weight", "embed.weight") if cfg.tie_embeddings
-                                      else None, cfg.to_json())[:32]
-    return to_weights(model.to(device=device, dtype=DTYPES[dtype]).eval(), weights), tok
+    tie = ("head.weight", "embed.weight") if cfg.tie_embeddings else None
+    # the fingerprint names the checkpoint, as its float32 weights: a snapshot moves between servers
+    # of one checkpoint on any device, dtype or format (their states are all float32) and continues
+    # within the lower precision's tolerance
+    if (device, dtype) != ("cpu", "float32"):
+        target = DTYPES[dtype] if device == "cpu" else torch.float32
+        model._fingerprint = load_weights(model, stored, target, tie, cfg.to_json())[:32]
+        model = model.to(device=device, dtype=DTYPES[dtype]).eval()
+        model.weights_format = "float32"
+        return model, tok
+    fmt = stored_format(stored) if weights == "auto" else weights
+    pack = _should_pack(model, fmt) if pack is None else pack
+    kind = panel_kind() if pack else None
+    key = weight_cache.cache_key(stored, cfg.to_json(), fmt, kind) \
+        if cache is not None and (pack or fmt != stored_format(stored)) else None
+    file = cache / f"{key}.safetensors" if key else None
+    if file is not None and file.exists():
+        try:
+            return _cached(model, file, fmt, pack, tie), tok
+        except (weight_cache.Damaged, OSError) as e:
+            log.warning("weight cache %s not used, rebuilt: %s", file, e)
+            file.unlink(missing_ok=True)
+            model, stored, tok = _prepare(path, device, dtype, weights)  # a fresh structure
+    t0 = time.perf_counter()
+    model._num_params = model.num_params()  # projections may become buffers
+    serve = {name: how for name, m in model.named_modules() if (how := _serving(m, fmt, pack))}
+    model._fingerprint = load_weights(model, stored, torch.float32, tie, cfg.to_json(), serve)[:32]
+    if pack:
+        pack_in_place(model)  # the mixers' own packable weights (the projections are packed already)
+    model.weights_format = fmt
+    if file is not None:
+        t1 = time.perf_counter()
+        size = weight_cache.write(file, model, {"fingerprint": model._fingerprint, "num_params": str(model._num_params),
+                                                "format": fmt, "kind": str(kind)})
+        log.info("weights converted to %s%s in %.1f s, cached (%.2f GiB, %.1f s): %s", fmt,
+                 f", packed for {kind}" if pack else "", t1 - t0, size / 2**30, time.perf_counter() - t1, file)
+    return model.eval(), tok
 
 
-def check_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32", weights: str = "float32") -> None:
+def _cached(model: LM, file: Path, fmt: str, pack: bool, tie) -> LM:
+    """`model` (on meta) converted as load_checkpoint would, its tensors mapped from the cache `file`."""
+    t0 = time.perf_counter()
+    model._num_params = model.num_params()
+    model._fingerprint = ""  # (to_weights asks for it; the file's is set below)
+    to_weights(model, fmt)
+    if pack:
+        pack_in_place(model)
+    meta = weight_cache.read(file, model)
+    model._fingerprint, model.weights_format = meta["fingerprint"], fmt
+    if tie and type(model.head) is nn.Linear:  # the head still the embedding: one tensor again
+        model.head.weight = model.embed.weight
+    log.info("weights mapped from the cache in %.1f s: %s", time.perf_counter() - t0, file)
+    return model.eval()
+
+
+def _serving(m: nn.Module, fmt: str, pack: bool):
+    """How load_weights serves the nn.Linear `m` in `fmt` (packed or not), or None: as stored,
+    cast to float32."""
+    if type(m) is not nn.Linear:
+        return None
+    convert = FORMATS[fmt] if convertible(m, fmt) else None
+    if convert is None and not (pack and packable(m)):
+        return None
+
+    def how(linear: nn.Linear) -> nn.Module:
+        if convert is None:
+            linear.weight = nn.Parameter(linear.weight.float(), requires_grad=False)
+        served = linear if convert is None else convert(linear)
+        return packed_alone(served) if pack else served
+    return how
+
+
+def stored_format(stored: dict) -> str:
+    """The format a checkpoint's projections are stored in: the floating dtype that holds most of
+    its matrices' bytes (float32 where that is none of WEIGHT_FORMATS)."""
+    held: dict[torch.dtype, int] = {}
+    for s in stored.values():
+        if s.dtype.is_floating_point and len(s.shape) == 2:
+            held[s.dtype] = held.get(s.dtype, 0) + s.end - s.start
+    return STORED_FORMATS.get(max(held, key=held.get), "float32") if held else "float32"
+
+
+def panel_kind() -> str | None:
+    """The kernel kind panels are packed for here (model/kernels: their layout and arithmetic)."""
+    return kernels.kind()
+
+
+def _should_pack(model: LM, fmt: str) -> bool:
+    """Pack the projections as they load: they hold more than IN_PLACE_BYTES in `fmt`, and our
+    kernel runs here."""
+    total = sum(m.weight.numel() * (FORMAT_BYTES[fmt] if convertible(m, fmt) else 4)
+                for m in model.modules() if type(m) is nn.Linear and packable(m))
+    return total > IN_PLACE_BYTES and kernels.unavailable() is None
+
+
+def check_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32", weights: str = "auto") -> None:
     """What load_checkpoint checks before it maps a weight: the options, config.json against the
     tensors' shapes in the safetensors headers, the tokenizer against the vocabulary. Raises
     CheckpointError; reads no weights and allocates nothing large."""
@@ -81,7 +180,9 @@ def _prepare(path, device: str, dtype: str, weights: str):
     the tokenizer), everything checked."""
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r}; use one of {sorted(DTYPES)}")
-    if weights != "float32" and (device, dtype) != ("cpu", "float32"):
+    if weights != "auto" and weights not in WEIGHT_FORMATS:
+        raise CheckpointError(f"weights {weights!r}: use auto or one of {', '.join(WEIGHT_FORMATS)}")
+    if weights not in ("auto", "float32") and (device, dtype) != ("cpu", "float32"):
         raise CheckpointError(f"{weights} weights need device cpu and dtype float32, not {device} {dtype}")
     if device != "cpu":
         index = int(device.partition(":")[2] or 0)

@@ -34,9 +34,13 @@ import torch
 from torch import Tensor, nn
 
 from .. import kernels
-from .lowp import BF16Linear, Int8Linear
+from .lowp import BF16Linear, F16Linear, Int8Linear
 
 GEMMS = ("inductor", "onednn", "own")
+# --gemm own: a model whose projections hold more bytes than this is packed in place (pack_in_place,
+# or as it loads: model/hf.py), its panels the projections' only copy; a smaller one keeps its
+# weights for the eager path (aten's matmuls) beside a twin's panels for the compiled step
+IN_PLACE_BYTES = 256 << 20
 REORDER_ROWS = 64  # the row count oneDNN's weight layout is chosen for (any count above 1 gives the same bits)
 
 
@@ -90,6 +94,21 @@ class OwnBF16Linear(BF16Linear):
         return kernels.linear(x.float(), self.packed, self.out_features, self.bias)  # (..., N) float32
 
 
+class OwnF16Linear(F16Linear):
+    """An F16Linear (--weights float16) through our kernel over float16 panels: each weight widened
+    exactly as it is loaded, the input float32, one FMA chain per output as for float32 panels."""
+
+    def __init__(self, linear: F16Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("w", linear.w)
+        self.register_buffer("bias", linear.bias)
+        self.register_buffer("packed", kernels.pack(linear.w, torch.float16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return kernels.linear(x.float(), self.packed, self.out_features, self.bias)  # (..., N) float32
+
+
 class OwnInt8Linear(Int8Linear):
     """An Int8Linear (--weights int8) through our kernel over int8 panels: a quarter of float32's
     bytes, each weight widened exactly as it is loaded and the row's scale applied once its FMA
@@ -110,16 +129,18 @@ class OwnInt8Linear(Int8Linear):
 
 def packable(m: nn.Module) -> bool:
     """A projection oneDNN's kernel (and ours) can take: a float32 CPU nn.Linear."""
-    return type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+    return type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type in ("cpu", "meta")
 
 
 def own_kind(m: nn.Module) -> type[nn.Module] | None:
     """What our kernel runs `m` as, or None where it does not take it."""
     if packable(m):
         return OwnLinear
-    if type(m) is BF16Linear and m.w.device.type == "cpu":
+    if type(m) is BF16Linear and m.w.device.type in ("cpu", "meta"):
         return OwnBF16Linear
-    if type(m) is Int8Linear and m.qweight.device.type == "cpu":
+    if type(m) is F16Linear and m.w.device.type in ("cpu", "meta"):
+        return OwnF16Linear
+    if type(m) is Int8Linear and m.qweight.device.type in ("cpu", "meta"):
         return OwnInt8Linear
     return None
 
@@ -145,15 +166,15 @@ def projection_bytes(model: nn.Module) -> int:
     total = 0
     for m in model.modules():
         if own_kind(m) is not None:
-            w = m.weight if isinstance(m, nn.Linear) else m.w if isinstance(m, BF16Linear) else m.qweight
+            w = m.weight if isinstance(m, nn.Linear) else m.qweight if isinstance(m, Int8Linear) else m.w
             total += w.numel() * w.element_size()
     return total
 
 
 def packed_in_place(model: nn.Module) -> bool:
     """Whether pack_in_place left `model`'s projections with their panels only."""
-    return any(isinstance(m, (OwnLinear, OwnBF16Linear, OwnInt8Linear)) and
-               (m.weight if isinstance(m, OwnLinear) else m.w if isinstance(m, OwnBF16Linear) else m.qweight).is_meta
+    return any(isinstance(m, (OwnLinear, OwnBF16Linear, OwnF16Linear, OwnInt8Linear)) and
+               (m.weight if isinstance(m, OwnLinear) else m.qweight if isinstance(m, OwnInt8Linear) else m.w).is_meta
                for m in model.modules())
 
 
@@ -168,15 +189,30 @@ def pack_in_place(model: nn.Module) -> None:
     for path in [name for name, _ in model.named_modules()]:
         parent = model.get_submodule(path)
         for name in [n for n, child in parent.named_children() if own_kind(child) is not None]:
-            own = own_kind(getattr(parent, name))(getattr(parent, name))
-            if isinstance(own, OwnLinear):
-                own.weight = nn.Parameter(own.weight.detach().to("meta"), requires_grad=False)
-            else:
-                held = "w" if isinstance(own, OwnBF16Linear) else "qweight"
-                setattr(own, held, getattr(own, held).to("meta"))
-            setattr(parent, name, own)
-            del own
+            setattr(parent, name, packed_alone(getattr(parent, name)))
         pack_params(parent)
+
+
+def held_weight(m: nn.Module) -> str | None:
+    """The name of the weight one of our kernel's projections was made from (what packed_alone
+    leaves on the meta device), None for any other module."""
+    if isinstance(m, OwnInt8Linear):
+        return "qweight"
+    if isinstance(m, (OwnBF16Linear, OwnF16Linear)):
+        return "w"
+    return "weight" if isinstance(m, OwnLinear) else None
+
+
+def packed_alone(m: nn.Module) -> nn.Module:
+    """`m` (own_kind takes it) as our kernel's projection holding its panels only: the weights it
+    was made from are left on the meta device (for code that reads a projection's shape or dtype)."""
+    own = own_kind(m)(m)
+    held = held_weight(own)
+    if isinstance(own, OwnLinear):
+        own.weight = nn.Parameter(own.weight.detach().to("meta"), requires_grad=False)
+    else:
+        setattr(own, held, getattr(own, held).to("meta"))
+    return own
 
 
 def pack_params(module: nn.Module) -> None:
@@ -185,7 +221,7 @@ def pack_params(module: nn.Module) -> None:
     weight, "gkn" / "gnk" one (K, N) / (N, K) weight per group g."""
     for name, layout in getattr(module, "PACKABLE", {}).items():
         w = getattr(module, name)
-        if w.dtype != torch.float32 or w.device.type != "cpu" or hasattr(module, name + "_packed"):
+        if w.dtype != torch.float32 or w.device.type not in ("cpu", "meta") or hasattr(module, name + "_packed"):
             continue
         packed = (kernels.pack(w.t()) if layout == "kn" else
                   torch.stack([kernels.pack(g.t() if layout == "gkn" else g) for g in w]))

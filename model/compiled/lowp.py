@@ -33,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-WEIGHT_FORMATS = ("float32", "int8", "bfloat16")  # how projections are stored: --weights (model.WEIGHTS is the checkpoints)
+WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")  # how projections are served: --weights
+# the stored dtype of a checkpoint's projections -> the format `--weights auto` serves them in
+STORED_FORMATS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 K_MULTIPLE = 16  # the kernel's input widths
 
 
@@ -92,9 +94,45 @@ class BF16Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 weights"
 
 
+class F16Linear(nn.Module):
+    """y = x @ f32(f16(W)).T (+ bias), float32 in and out: a float16 checkpoint's projections in
+    their own two bytes, each weight widened exactly before it is multiplied (eagerly the whole
+    weight per call; our kernel widens panel by panel: model/compiled/gemm.py's OwnF16Linear)."""
+
+    input_dtype = torch.float32  # (as Int8Linear's)
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("w", linear.weight.detach().to(torch.float16).contiguous())  # (N, K)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+
+    @property
+    def weight(self) -> Tensor:
+        """The weight (N, K) as float32, for code that reads a projection's weight or its dtype."""
+        return self.w.float()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x.float(), self.w.float(), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, float16 weights"
+
+
+FORMATS = {"int8": Int8Linear, "bfloat16": BF16Linear, "float16": F16Linear}
+
+
+def convertible(m: nn.Module, weights: str) -> bool:
+    """Whether to_weights turns `m` into `weights`' kind: a CPU nn.Linear in a floating dtype with an
+    input width of a multiple of K_MULTIPLE (the narrow ones stay float32 in every format)."""
+    return weights in FORMATS and type(m) is nn.Linear and m.weight.is_floating_point() and \
+        m.weight.device.type in ("cpu", "meta") and m.in_features % K_MULTIPLE == 0
+
+
 def to_weights(model: nn.Module, weights: str) -> nn.Module:
     """Hold `model`'s projections in `weights` ("float32": unchanged; "int8": Int8Linear;
-    "bfloat16": BF16Linear), in place.
+    "bfloat16": BF16Linear; "float16": F16Linear), in place. A model on the meta device is
+    converted too (shapes and dtypes only): the structure a cached serving copy is loaded into.
     The embedding stays float32 even where the head is tied to it: the head gets its own int8 copy.
     The fingerprint is the float32 checkpoint's, taken first (as load_checkpoint does before a cast):
     a snapshot moves between servers of one checkpoint and continues within int8's tolerance."""
@@ -109,8 +147,7 @@ def to_weights(model: nn.Module, weights: str) -> nn.Module:
     for path in [name for name, _ in model.named_modules()]:
         parent = model.get_submodule(path)
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.in_features % K_MULTIPLE == 0 \
-                    and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                setattr(parent, name, (Int8Linear if weights == "int8" else BF16Linear)(child))
+            if convertible(child, weights):
+                setattr(parent, name, FORMATS[weights](child))
             del child
     return model

@@ -67,7 +67,7 @@ from ..kernels import aoti_options, compiler, unavailable
 from ..lm import LM
 from ..state import State
 from .aot import AotStep
-from .gemm import GEMMS, own_kind, pack_in_place, packed_in_place, projection_bytes, twin
+from .gemm import GEMMS, IN_PLACE_BYTES, own_kind, pack_in_place, packed_in_place, projection_bytes, twin
 from .graphs import GraphStep
 
 log = logging.getLogger("linstream.compiled")
@@ -91,10 +91,6 @@ def own_options() -> dict:
 
 
 MAX_ROWS = 1 << 16  # the symbolic batch dim needs an upper bound; far above any max_batch
-# --gemm own: a model whose projections hold more bytes than this is packed in place (gemm.py:
-# pack_in_place), its panels the projections' only copy; a smaller one keeps its weights for the
-# eager path (aten's matmuls) beside a twin's panels for the compiled step
-IN_PLACE_BYTES = 256 << 20
 MODES = ("auto", "on", "off")
 # how the compiled step is called: aoti = built ahead of time into a library called through its C
 # interface (aot.py), falling back to dynamo where that fails; dynamo = torch.compile's function
@@ -179,8 +175,6 @@ class Stepper:
         if self.cuda:
             return self._warm_graphs(t0)
         log.info("compiling the decode step (cache %s), serving eagerly meanwhile", os.environ["TORCHINDUCTOR_CACHE_DIR"])
-        # every model compiles its own entry of LM.step_layers: room for many models in one server
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # frozen weights are constants: the template packs them only if nothing asks for their grads
         self.model.requires_grad_(False)
         # our kernel and the packed GEMMs are built ahead of time: oneDNN's reordered weights are
@@ -241,6 +235,9 @@ class Stepper:
             return AotStep.build(model, options, min_rows, MAX_ROWS, Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "aoti")
 
     def _compile(self, model: LM, options: dict, min_rows: int):
+        # (dynamo is imported here, not for a library from the cache: a second of CPU at start-up)
+        # every model compiles its own entry of LM.step_layers: room for many models in one server
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         fn = torch.compile(model.step_layers, fullgraph=True)
         # the settings act at compile time, i.e. inside the first call; the step never recompiles
         with _COMPILING, torch._inductor.config.patch(options), torch.no_grad():

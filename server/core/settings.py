@@ -24,13 +24,16 @@ class Settings(BaseSettings):
     # the API's names for those models, in order; a model without one is named after its directory
     names: list[str] = Field(default_factory=list)
     device: str = "cpu"  # cpu | cuda | cuda:N: where weights and session states live
-    # weights' dtype: float32 | bfloat16 | float16 (the latter two for Mamba models); session
-    # states stay float32 whatever it is (see model/lm.py LM.init_state)
+    # on a CUDA device, the whole model's dtype: float32 | bfloat16 | float16 (the latter two for
+    # Mamba, RWKV-4 and fla models). On the CPU another spelling of `weights`
     dtype: str = "float32"
-    # projections' weights: float32, int8 (weight-only) or bfloat16, both with bfloat16
-    # activations, CPU and float32 dtype only (model/compiled/lowp.py): a batch-1 decode step streams a
-    # quarter / half of the bytes
-    weights: Literal["float32", "int8", "bfloat16"] = "float32"
+    # the projections' format on the CPU (model/hf.py, model/compiled/lowp.py): auto (as the
+    # checkpoint stores them), float32, bfloat16, float16 or int8 (weight-only); everything else,
+    # and the session states, float32. A batch-1 decode step streams the projections' bytes
+    weights: Literal["auto", "float32", "bfloat16", "float16", "int8"] = "auto"
+    # keep each checkpoint's converted / packed projections in the compile cache's weights/ folder
+    # (model/weight_cache.py), mapped at later starts instead of converted again
+    weight_cache: bool = True
     max_sessions: int = 1024  # recurrent models: sessions held in memory (state slots)
     # recurrent models: the bytes a model's slot pool may hold, so the slots are at most this over
     # one session's state (a 1.4 B Mamba's state is 15 MB: 1,024 slots would be 15 GiB, made at
@@ -145,8 +148,15 @@ class Settings(BaseSettings):
             raise ValueError(f"device {self.device!r}: use cpu, cuda or cuda:N")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {self.dtype!r}: use float32, bfloat16 or float16")
-        if self.weights != "float32" and (self.device, self.dtype) != ("cpu", "float32"):
-            raise ValueError(f"{self.weights} weights need device cpu and dtype float32")
+        if self.device == "cpu" and self.dtype != "float32":  # --dtype on the CPU: the projections' format
+            if self.weights not in ("auto", self.dtype):
+                raise ValueError(f"--dtype {self.dtype} and --weights {self.weights}: on the CPU both name the "
+                                 "projections' format; give --weights only")
+            self.weights, self.dtype = self.dtype, "float32"
+        if self.weights not in ("auto", "float32") and (self.device, self.dtype) != ("cpu", "float32"):
+            raise ValueError(f"{self.weights} weights need device cpu; on a GPU --dtype sets the whole model's")
+        if self.gemm == "onednn" and self.weights == "auto":
+            self.weights = "float32"
         if self.gemm == "onednn" and (self.device, self.dtype, self.weights) != ("cpu", "float32", "float32"):
             raise ValueError("--gemm onednn needs device cpu, dtype float32 and float32 weights")
         if len(self.names) > len(self.models):

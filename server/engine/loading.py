@@ -9,6 +9,7 @@ import torch
 
 from linstream.model.footprint import footprint
 from linstream.model.hf import CheckpointError, check_checkpoint, load_checkpoint
+from linstream.model import weight_cache
 from linstream.model.hub import is_repo_id
 
 from ..core.metrics import Metrics
@@ -88,7 +89,9 @@ def load_engines(settings: Settings, metrics: Metrics) -> dict[str, Engine]:
     for i, name in enumerate(settings.models):
         path = resolve(settings, name)
         try:
-            model, tok = load_checkpoint(path, settings.device, settings.dtype, settings.weights)
+            model, tok = load_checkpoint(path, settings.device, settings.dtype, settings.weights,
+                                         pack=None if settings.gemm == "own" else False,
+                                         cache=weight_cache.folder() if settings.weight_cache else None)
         except (CheckpointError, ValueError) as e:
             raise SystemExit(f"cannot serve {path}: {e}") from None
         served = served_name(settings, i, name, path)

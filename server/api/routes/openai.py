@@ -497,7 +497,7 @@ def model_card(rt, name: str, e: Engine) -> dict:
             "fingerprint": e.model.fingerprint, "vocab_size": e.model.cfg.vocab_size,
             "max_model_len": context_limit(cfg), "max_prompt_tokens": cfg.max_prompt_tokens,
             "max_new_tokens": cfg.max_new_tokens, "state_bytes": e.empty.row_nbytes(0), **footprint(e.model),
-            "weights": cfg.weights, "decode_step": e.stepper.status,
+            "weights": getattr(e.model, "weights_format", cfg.weights), "decode_step": e.stepper.status,
             "step_kernels": e.stepper.kernels if e.stepper.status == "compiled" else None,
             "step_runtime": e.stepper.runtime if e.stepper.status == "compiled" else None}
 
