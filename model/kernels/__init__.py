@@ -1,27 +1,41 @@
-"""A float32 matmul of our own for the compiled decode step: `torch.ops.linstream.packed_linear`.
+"""A matmul of our own for the compiled decode step: `torch.ops.linstream.packed_linear`.
 
-    lib = library()                               # built once per source and torch into the cache
+    kind()                                        # "avx512-bf16", "avx512" or "avx2" (cpu.py)
+    lib = library()                               # built once per source, kind and torch into the cache
     packed = pack(linear.weight)                  # (ceil(N/32), K, 32), zero-padded
     y = torch.ops.linstream.packed_linear(x, packed, linear.bias, linear.out_features)
 
-The kernel (packed_linear.cpp) is plain AVX-512, or AVX2 + FMA where the CPU has no AVX-512 (one
-source, built for the ISA torch reports): weights in panels of 32 output columns, register blocks
-where rows share a panel's loads (12 rows with AVX-512, 3 with AVX2), and fewer rows walking
-several panels at once; a large product is split between torch's threads by groups of panels.
-Each output is one FMA chain over k from zero and then its bias, so a row's bits never depend on
-the rows beside it (batch invariance), nor on which of the two builds ran it: the same property
-inductor's own GEMM template has, at several times its speed at large batches with AVX-512
-(`python -m benchmarks.model.own_gemm` measures both).
+The kernel (packed_linear.cpp) is one source built for the process's kind (cpu.py: the best this
+CPU has, or $LINSTREAM_KERNEL's): AVX-512, or AVX2 + FMA + F16C. Weights sit in panels of 32
+output columns, float32, or bfloat16, float16 or int8 (one scale per output) widened to float32
+as they are loaded; register blocks where rows share a panel's loads (12 rows with AVX-512, 3 with
+AVX2), and fewer rows walking several panels at once; a large product is split between torch's
+threads by groups of panels. Each output is one FMA chain over k from zero, then its scale and its
+bias, so a row's bits never depend on the rows beside it (batch invariance), nor on the thread
+count, nor on which of the two ISAs ran it: the same property inductor's own GEMM template has,
+at several times its speed at large batches with AVX-512.
+The "avx512-bf16" kind packs bfloat16 and int8 weights in pairs of k instead, (ceil(N/32),
+ceil(K/2), 32, 2), and multiplies them with AVX512-BF16's dot products (two bfloat16 products per
+float32 lane per instruction) by the input rounded to bfloat16: about twice the arithmetic per
+instruction for many rows, another numeric (float32 and float16 panels are as in "avx512"), and
+still one fixed chain per output. `pack` lays weights out for the process's kind, the op takes
+either layout (the panels' dims say which), and `kind()` names both, for caches of packed weights.
+`python -m benchmarks.model.own_gemm` measures each kind against MKL and oneDNN.
 
 AOTInductor calls it straight from the generated step through its C shim
 (`aoti_torch_cpu_packed_linear`, listed in `aot_inductor.custom_ops_to_c_shims`): no dispatcher,
 no Python. The shim's symbol is resolved when the step's library is opened, from this library,
 which `library()` loads into the process's global namespace first. Eagerly (tests, a step
-outside the compiled graph) the op calls the same code through ctypes.
+outside the compiled graph) the op calls the same code through ctypes. `use(kind)` switches a
+process to another kind its CPU has, for tests and benchmarks: its library is loaded beside the
+first, but the C shim a built step calls stays the process's own kind's (`aoti_options` refuses
+otherwise).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -34,6 +48,7 @@ import torch
 from torch import Tensor
 
 from .. import CACHE_DIR
+from . import cpu
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
 NR = 32  # a panel's columns
@@ -43,32 +58,54 @@ NR = 32  # a panel's columns
 # built with OpenMP (without it, the call runs on one thread whatever torch.set_num_threads says);
 # the library then uses the libgomp torch has loaded, and follows its thread count
 FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17", "-fopenmp"]
-# torch's report of the CPU's vector ISA -> the kernel's build flags (packed_linear.cpp picks its
-# vectors from the macros these set)
-ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
+# a kind (cpu.KINDS) -> the kernel's build flags (packed_linear.cpp picks its vectors, and whether
+# it has panels in pairs of k, from the macros these set)
+KIND_FLAGS = {"avx512-bf16": ["-mavx512f", "-mfma", "-mavx512bw", "-mavx512bf16"],
+              "avx512": ["-mavx512f", "-mfma"], "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+PAIRS = "avx512-bf16"  # the kind whose bfloat16 and int8 panels hold pairs of k
 # the declaration AOTInductor's generated code is given for the op (aot_inductor.custom_ops_to_c_shims)
 SHIM = ("AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle packed, "
         "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* scale, AtenTensorHandle* ret0)")
-PANEL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+PANEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+PAIR_DTYPES = (torch.bfloat16, torch.int8)  # those PAIRS packs in pairs of k
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
+_libs: dict[str, ctypes.CDLL] = {}  # kind -> its loaded library
+_forced: str | None = None  # use()'s kind
 
 
-def isa() -> str | None:
-    """"AVX512" or "AVX2" (the kernel's two builds) from torch's report of this CPU, else None."""
-    cap = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX512_BF16, AVX512_VNNI, AMX, AVX2, DEFAULT, ...
-    return "AVX512" if cap.startswith("AVX512") or cap == "AMX" else "AVX2" if cap == "AVX2" else None
+@functools.cache
+def _process_kind() -> str | None:
+    return cpu.choose(cpu.this_cpu())  # read once: a process keeps its kind
 
 
-def flags() -> list[str]:
-    return FLAGS + ISA_FLAGS[isa()]
+def kind() -> str | None:
+    """The kind of our matmul this process uses (cpu.py), None where the CPU has none: it names the
+    build, the layout `pack` gives bfloat16 and int8 weights, and the arithmetic done on them.
+    A $LINSTREAM_KERNEL the CPU lacks raises ValueError."""
+    return _forced or _process_kind()
+
+
+@contextlib.contextmanager
+def use(name: str):
+    """Run our matmul as kind `name` (one this CPU has; ValueError otherwise) inside the block:
+    for tests and benchmarks that compare kinds in one process."""
+    global _forced
+    before, _forced = _forced, cpu.choose(cpu.this_cpu(), name)
+    try:
+        yield name
+    finally:
+        _forced = before
+
+
+def flags(name: str | None = None) -> list[str]:
+    return FLAGS + KIND_FLAGS[name or kind()]
 
 
 def unavailable() -> str | None:
     """Why the kernel cannot run here, or None when it can."""
-    if isa() is None:
-        return f"this CPU's vector ISA is {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX-512 or AVX2"
+    if kind() is None:
+        return f"this CPU ({cpu.this_cpu().model}) has neither AVX-512 nor AVX2 with FMA and F16C"
     if compiler() is None:
         return "no C++ compiler on PATH (g++, c++ or clang++; or set CXX)"
     return None
@@ -85,17 +122,18 @@ def _cache_dir() -> Path:
 
 
 def library() -> Path:
-    """The built kernel library (named by a hash of its source, flags and torch), loaded into the
-    process with its symbols global. Builds it on first use (one C++ compile)."""
-    global _lib
+    """The built kernel library of this kind (named by a hash of its source, flags and torch),
+    loaded into the process; the process's own kind's with its symbols global (the C shim). Builds
+    it on first use (one C++ compile)."""
     with _lock:
         torch_dir = Path(torch.__file__).parent
         why = unavailable()
         if why:
             raise RuntimeError(f"the packed_linear kernel cannot be built: {why}")
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags()).encode() + torch.__version__.encode()).hexdigest()[:16]
+        name = kind()
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags(name)).encode() + torch.__version__.encode()).hexdigest()[:16]
         path = _cache_dir() / f"libpacked_linear-{key}.so"
-        if _lib is not None and Path(_lib._name) == path:
+        if name in _libs and Path(_libs[name]._name) == path:
             return path
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -107,21 +145,25 @@ def library() -> Path:
                 if done.returncode:
                     raise RuntimeError(f"building {SOURCE.name} failed:\n{done.stderr[-2000:]}")
                 os.replace(out, path)  # atomic: another process sees the whole library or none
-        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        # only the process's kind global: a step library resolves the shim to the first one loaded so
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL if name == _process_kind() else ctypes.RTLD_LOCAL)
         p, i = ctypes.c_void_p, ctypes.c_int64
         lib.linstream_pack.argtypes = [p, i, i, p]
-        for fn in (lib.linstream_packed_linear, lib.linstream_packed_linear_bf16, lib.linstream_packed_linear_int8):
-            fn.argtypes = [p, i, i, i, p, i, p, p, p]
+        fns = ["", "_bf16", "_f16", "_int8"] + (["_pairs_bf16", "_pairs_int8"] if name == PAIRS else [])
+        for fn in fns:
+            getattr(lib, "linstream_packed_linear" + fn).argtypes = [p, i, i, i, p, i, p, p, p]
         lib.linstream_new_handles.argtypes, lib.linstream_new_handles.restype = [p, i, p], ctypes.c_int
         lib.linstream_split_threads.argtypes, lib.linstream_split_threads.restype = [], i
-        _lib = lib
+        _libs[name] = lib
         return path
 
 
 def _loaded() -> ctypes.CDLL:
-    if _lib is None:
+    lib = _libs.get(kind())
+    if lib is None:
         library()
-    return _lib
+        lib = _libs[kind()]
+    return lib
 
 
 def split_threads() -> int:
@@ -136,15 +178,29 @@ def new_handles():
     return _loaded().linstream_new_handles
 
 
+def pairs(dtype: torch.dtype) -> bool:
+    """Whether `pack` lays `dtype` out in pairs of k in this process's kind."""
+    return kind() == PAIRS and dtype in PAIR_DTYPES
+
+
 def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """W (N, K) -> its panels (ceil(N/32), K, 32), the last one padded with zero columns, in `dtype`
-    (float32; bfloat16 or int8: the kernel widens those as it loads them; a W already in that dtype
-    packs exactly)."""
+    """W (N, K) -> its panels in `dtype`, laid out for this process's kind: (ceil(N/32), K, 32), the
+    last panel padded with zero columns (float32; bfloat16, float16 or int8: the kernel widens those
+    as it loads them), or for bfloat16 and int8 in "avx512-bf16", (ceil(N/32), ceil(K/2), 32, 2), k
+    in pairs, K padded with a zero to even. A W already in `dtype` packs exactly; a W on the meta
+    device gives empty meta panels of the packed shape."""
     if dtype not in PANEL_DTYPES:
-        raise ValueError(f"packed_linear holds float32, bfloat16 or int8 panels, not {dtype}")
+        raise ValueError(f"packed_linear holds float32, bfloat16, float16 or int8 panels, not {dtype}")
     N, K = weight.shape
+    P, K2 = (N + NR - 1) // NR, (K + 1) // 2
+    shape = (P, K2, NR, 2) if pairs(dtype) else (P, K, NR)
     if weight.is_meta:  # a model restored structurally: its panels' shape only, their values assigned later
-        return torch.empty((N + NR - 1) // NR, K, NR, dtype=dtype, device="meta")
+        return torch.empty(shape, dtype=dtype, device="meta")
+    if pairs(dtype):
+        w = weight.detach()
+        padded = torch.zeros(P * NR, 2 * K2, dtype=dtype)
+        padded[:N, :K] = w if w.dtype == dtype else w.float().to(dtype)
+        return padded.view(P, NR, K2, 2).transpose(1, 2).contiguous()  # (P, K2, 32, 2)
     w = weight.detach().float().contiguous()
     p = torch.empty((N + NR - 1) // NR, K, NR)
     _loaded().linstream_pack(w.data_ptr(), N, K, p.data_ptr())
@@ -153,23 +209,30 @@ def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
 
 @torch.library.custom_op("linstream::packed_linear", mutates_args=())
 def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None, n: int, scale: Tensor | None = None) -> Tensor:
-    """(x (M, K) @ W.T) * scale + bias -> (M, n), W as `pack` left it (float32, bfloat16 or int8
-    panels), scale one float32 per output (int8 panels need it)."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or packed.shape[1] != x.shape[1]:
-        raise ValueError(f"packed_linear takes dense float32 rows (M, {packed.shape[1]}), not {tuple(x.shape)} "
+    """(x (M, K) @ W.T) * scale + bias -> (M, n), W as `pack` left it (float32, bfloat16, float16 or
+    int8 panels, or bfloat16 or int8 ones in pairs of k), scale one float32 per output (int8 panels
+    need it)."""
+    paired = packed.dim() == 4
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or \
+            packed.shape[1] != ((x.shape[1] + 1) // 2 if paired else x.shape[1]):
+        width = f"{2 * packed.shape[1] - 1} or {2 * packed.shape[1]}" if paired else packed.shape[1]
+        raise ValueError(f"packed_linear takes dense float32 rows (M, {width}), not {tuple(x.shape)} "
                          f"{x.dtype} with strides {x.stride()}")
     vector = lambda t: t is None or (t.shape == (n,) and t.dtype == torch.float32)  # noqa: E731
     if not (packed.shape[0] - 1) * NR < n <= packed.shape[0] * NR or packed.dtype not in PANEL_DTYPES or not (
-            vector(bias) and vector(scale)) or (packed.dtype == torch.int8 and scale is None):
+            vector(bias) and vector(scale)) or (packed.dtype == torch.int8 and scale is None) or (
+            paired and (packed.dtype not in PAIR_DTYPES or packed.shape[2:] != (NR, 2))):
         show = lambda t: None if t is None else (tuple(t.shape), t.dtype)  # noqa: E731
         raise ValueError(f"packed_linear: {n} outputs, panels {tuple(packed.shape)} {packed.dtype}, bias {show(bias)} "
                          f"and scale {show(scale)} do not go together")
     M, K = x.shape
     y = x.new_empty(M, n)
     b, s = (t.contiguous() if t is not None else None for t in (bias, scale))
+    if paired and kind() != PAIRS:
+        raise ValueError(f"packed_linear: panels in pairs of k are the {PAIRS} kind's, this process's is {kind()}")
     lib = _loaded()
-    fn = {torch.float32: lib.linstream_packed_linear, torch.bfloat16: lib.linstream_packed_linear_bf16,
-          torch.int8: lib.linstream_packed_linear_int8}[packed.dtype]
+    fn = getattr(lib, "linstream_packed_linear" + ("_pairs" if paired else "") + {
+        torch.float32: "", torch.bfloat16: "_bf16", torch.float16: "_f16", torch.int8: "_int8"}[packed.dtype])
     fn(x.data_ptr(), M, K, x.stride(0), packed.data_ptr(), n, s.data_ptr() if s is not None else None,
        b.data_ptr() if b is not None else None, y.data_ptr())
     return y
@@ -188,6 +251,10 @@ def linear(x: Tensor, packed: Tensor, n: int, bias: Tensor | None = None, scale:
 
 
 def aoti_options() -> dict:
-    """The inductor settings that make AOTInductor call the op's C shim directly."""
+    """The inductor settings that make AOTInductor call the op's C shim directly (the process's own
+    kind's: the one whose library is global)."""
+    if kind() != _process_kind():
+        raise RuntimeError(f"a compiled step calls the {_process_kind()} kind's kernel (this process's); "
+                           f"not built under use({kind()!r})")
     library()
     return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.linstream.packed_linear.default: [SHIM]}}

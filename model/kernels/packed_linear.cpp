@@ -10,24 +10,34 @@
 // at once (more independent chains where there is little reuse); AVX2's 16 registers hold
 // smaller blocks than AVX-512's 32.
 //
-// The panels may also hold bfloat16 weights (--weights bfloat16): each is widened exactly as it is
-// loaded, so the result is float32 weights rounded to bfloat16 multiplied the same way, with half
-// the bytes to stream (what bounds a one-row step of a large model); or int8 weights (--weights
-// int8), widened exactly, with one scale per output applied once its chain is done: a quarter of
-// the bytes.
+// The panels may also hold bfloat16 or float16 weights: each is widened exactly as it is loaded,
+// so the result is float32 weights rounded to 16 bits multiplied the same way, with half the bytes
+// to stream (what bounds a one-row step of a large model); or int8 weights, widened exactly, with
+// one scale per output applied once its chain is done: a quarter of the bytes.
+//
+// Built with AVX512-BF16 (the "avx512-bf16" kind, model/kernels/cpu.py), bfloat16 and int8 weights
+// may instead be packed in pairs of k, p[N/32][K/2][32][2] (K padded to even with zeros): the input
+// row is rounded to bfloat16 (to nearest even) once per call, and each output is one chain of
+// _mm512_dpbf16_ps over the pairs, two products per float32 lane per instruction; int8 weights are
+// converted to bfloat16 (exactly: integers up to 256 are bfloat16 numbers), in registers, or once
+// per group of panels where several blocks of rows read them, and scaled after the chain. Another numeric than the widening panels' (the input is rounded), so a process
+// packs its weights one way; still one fixed chain per output, whatever the batch or thread count.
 //
 // Large products are split between torch's threads by groups of panels, i.e. by output columns:
 // each output is still computed by one thread with the same chain, so the thread count changes no
 // bits either.
 //
-// Entry points over the same code: linstream_packed_linear(_bf16) (raw pointers, for ctypes and
-// the eager op) and aoti_torch_cpu_packed_linear, the C shim AOTInductor's generated step calls for
-// torch.ops.linstream.packed_linear (model/kernels/__init__.py).
+// Entry points over the same code: linstream_packed_linear(_bf16, _f16, _int8, _pairs_bf16,
+// _pairs_int8) (raw pointers, for ctypes and the eager op) and aoti_torch_cpu_packed_linear, the
+// C shim AOTInductor's generated step calls for torch.ops.linstream.packed_linear
+// (model/kernels/__init__.py).
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include <atomic>
+#include <type_traits>
+#include <vector>
 
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
@@ -35,6 +45,8 @@
 namespace {
 
 constexpr int NR = 32;  // a panel's columns
+
+struct half { uint16_t bits; };  // a float16 weight (its own type: the loads below overload on it)
 
 // One vector of LANES floats; `first(n)` loads or stores its first n lanes only (0 <= n <= LANES).
 #if defined(__AVX512F__)
@@ -48,6 +60,7 @@ inline vec load(const uint16_t *p) {  // 16 bfloat16 -> float32, exactly: the 16
 inline vec load(const int8_t *p) {  // 16 int8 -> float32, exactly
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+inline vec load(const half *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }  // exactly
 inline vec splat(float a) { return _mm512_set1_ps(a); }
 inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -66,6 +79,7 @@ inline vec load(const uint16_t *p) {  // 8 bfloat16 -> float32, exactly
 inline vec load(const int8_t *p) {  // 8 int8 -> float32, exactly
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
+inline vec load(const half *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }  // exactly (F16C)
 inline vec splat(float a) { return _mm256_set1_ps(a); }
 inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -77,13 +91,34 @@ inline void store_first(float *p, vec v, int n) {
     else _mm256_maskstore_ps(p, first(n), v);
 }
 #else
-#error "packed_linear needs AVX-512 (-mavx512f) or AVX2 with FMA (-mavx2 -mfma)"
+#error "packed_linear needs AVX-512 (-mavx512f) or AVX2 with FMA and F16C (-mavx2 -mfma -mf16c)"
 #endif
 
 constexpr int NV = NR / LANES;  // vectors in a panel's row
 
-template <int MR, int NP, typename W>
-inline void block(const float *x, int64_t ldx, const W *p, int64_t K, const float *scale, const float *bias, float *y,
+// One step of an output's chain: acc + a * b, a being the row's value at k (broadcast)
+inline vec bcast(const float *x) { return splat(*x); }
+inline vec madd(vec acc, vec a, vec b) { return fma(a, b, acc); }
+
+#if defined(__AVX512BF16__)
+// Panels in pairs of k: element [k2][n] of a panel holds weights k = 2 k2 and 2 k2 + 1 of column n
+struct pair_bf16 { uint16_t w[2]; };
+struct pair_int8 { int8_t w[2]; };
+inline __m512bh load(const pair_bf16 *p) { return (__m512bh)_mm512_loadu_si512(p); }  // 16 columns' pairs
+inline __m512bh load(const pair_int8 *p) {  // 16 columns' pairs of int8 -> bfloat16, exactly
+    __m256i q = _mm256_loadu_si256((const __m256i *)p);
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);  // lo's 16 values first
+}
+// a row's pair (x[2 k2], x[2 k2 + 1]) as bfloat16, in every lane: acc + x0 w0 + x1 w1 per lane
+inline __m512bh bcast(const uint32_t *x) { return (__m512bh)_mm512_set1_epi32((int)*x); }
+inline vec madd(vec acc, __m512bh a, __m512bh b) { return _mm512_dpbf16_ps(acc, a, b); }
+#endif
+
+// K counts the panels' rows: k, or pairs of k (X the rows' bfloat16 pairs then)
+template <int MR, int NP, typename X, typename W>
+inline void block(const X *x, int64_t ldx, const W *p, int64_t K, const float *scale, const float *bias, float *y,
                   int64_t ldy, int64_t cols) {
     // MR rows x NP panels; `cols` = valid columns in the last panel (32 unless it is the matrix's last)
     vec acc[MR][NP][NV];
@@ -92,13 +127,13 @@ inline void block(const float *x, int64_t ldx, const W *p, int64_t K, const floa
             for (int v = 0; v < NV; v++) acc[i][j][v] = zero();
     const int64_t panel = K * NR;
     for (int64_t k = 0; k < K; k++) {
-        vec b[NP][NV];
+        decltype(load(p)) b[NP][NV];
         for (int j = 0; j < NP; j++)
             for (int v = 0; v < NV; v++) b[j][v] = load(p + j * panel + k * NR + v * LANES);
         for (int i = 0; i < MR; i++) {
-            vec a = splat(x[i * ldx + k]);
+            auto a = bcast(x + i * ldx + k);
             for (int j = 0; j < NP; j++)
-                for (int v = 0; v < NV; v++) acc[i][j][v] = fma(a, b[j][v], acc[i][j][v]);
+                for (int v = 0; v < NV; v++) acc[i][j][v] = madd(acc[i][j][v], a, b[j][v]);
         }
     }
     for (int j = 0; j < NP; j++) {
@@ -115,56 +150,104 @@ inline void block(const float *x, int64_t ldx, const W *p, int64_t K, const floa
     }
 }
 
-// rows x (MR of them) against panels j0..j1-1 of the weights, NP panels at a time, then one at a time
-template <int MR, int NP, typename W>
-inline void rows(const float *x, int64_t ldx, const W *p, int64_t K, int64_t N, int64_t j0, int64_t j1,
+// rows x (MR of them) against panels j0..j1-1 of the weights (pj: panel j0), NP panels at a time,
+// then one at a time
+template <int MR, int NP, typename X, typename W>
+inline void rows(const X *x, int64_t ldx, const W *pj, int64_t K, int64_t N, int64_t j0, int64_t j1,
                  const float *scale, const float *bias, float *y) {
     const int64_t panels = (N + NR - 1) / NR;
     int64_t j = j0;
     for (; j + NP <= j1; j += NP) {
         int64_t cols = j + NP == panels ? N - (panels - 1) * NR : NR;
-        block<MR, NP>(x, ldx, p + j * K * NR, K, scale ? scale + j * NR : nullptr, bias ? bias + j * NR : nullptr,
-                      y + j * NR, N, cols);
+        block<MR, NP>(x, ldx, pj + (j - j0) * K * NR, K, scale ? scale + j * NR : nullptr,
+                      bias ? bias + j * NR : nullptr, y + j * NR, N, cols);
     }
     for (; j < j1; j++) {
         int64_t cols = j + 1 == panels ? N - j * NR : NR;
-        block<MR, 1>(x, ldx, p + j * K * NR, K, scale ? scale + j * NR : nullptr, bias ? bias + j * NR : nullptr,
-                     y + j * NR, N, cols);
+        block<MR, 1>(x, ldx, pj + (j - j0) * K * NR, K, scale ? scale + j * NR : nullptr,
+                     bias ? bias + j * NR : nullptr, y + j * NR, N, cols);
     }
 }
 
+// all M rows against panels j0..j1-1 (pj: panel j0): the largest row blocks share each panel's
+// loads; fewer rows walk several panels at once instead
+template <typename X, typename W>
+inline void row_blocks(const X *x, int64_t M, int64_t ldx, const W *pj, int64_t K, int64_t N, int64_t j0, int64_t j1,
+                       const float *scale, const float *bias, float *y) {
+    int64_t i = 0;
+#if defined(__AVX512F__)  // 32 registers: up to 24 accumulators
+    for (; i + 12 <= M; i += 12) rows<12, 1>(x + i * ldx, ldx, pj, K, N, j0, j1, scale, bias, y + i * N);
+    for (; i + 8 <= M; i += 8) rows<8, 1>(x + i * ldx, ldx, pj, K, N, j0, j1, scale, bias, y + i * N);
+    for (; i + 4 <= M; i += 4) rows<4, 2>(x + i * ldx, ldx, pj, K, N, j0, j1, scale, bias, y + i * N);
+    for (; i + 2 <= M; i += 2) rows<2, 4>(x + i * ldx, ldx, pj, K, N, j0, j1, scale, bias, y + i * N);
+    for (; i < M; i++) rows<1, 8>(x + i * ldx, ldx, pj, K, N, j0, j1, scale, bias, y + i * N);
+#else  // 16 registers: 12 accumulators, the panel's four vectors and the broadcast row value
+    for (; i + 3 <= M; i += 3) rows<3, 1>(x + i * ldx, ldx, pj, K, N, j0, j1, scale, bias, y + i * N);
+    for (; i + 2 <= M; i += 2) rows<2, 1>(x + i * ldx, ldx, pj, K, N, j0, j1, scale, bias, y + i * N);
+    for (; i < M; i++) rows<1, 2>(x + i * ldx, ldx, pj, K, N, j0, j1, scale, bias, y + i * N);
+#endif
+}
+
+#if defined(__AVX512BF16__)
+// int8 pairs -> bfloat16 pairs, n of them (a multiple of 16)
+inline void widen(const pair_int8 *p, int64_t n, pair_bf16 *out) {
+    for (int64_t e = 0; e < n; e += 16) _mm512_storeu_si512(out + e, (__m512i)load(p + e));
+}
+#endif
+
 constexpr int64_t GROUP = 8;  // panels whose weights (8 x K x 32 floats) stay in L2 while every row passes
 
-// y = (x . W^T) * scale (+ b) over panels of float32, bfloat16 or int8, each weight widened exactly
-// as it is loaded (bfloat16: the same FMA chains as float32 weights rounded to bfloat16, half the
-// bytes to stream; int8: a quarter, one scale per output applied once the chain is done). scale
-// may be null (no scaling), as may bias.
+// y = (x . W^T) * scale (+ b) over panels of float32, bfloat16, float16 or int8, each weight widened
+// exactly as it is loaded (16 bits: the same FMA chains as float32 weights rounded to them, half the
+// bytes to stream; int8: a quarter, one scale per output applied once the chain is done), or over
+// panels in pairs of k (X: the rows' bfloat16 pairs, K: pairs). scale may be null (no scaling), as
+// may bias.
 constexpr int64_t SPLIT = 1 << 20;  // multiply-adds below which a product stays on one thread
 
-template <typename W>
-void packed_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const W *p, int64_t N, const float *scale,
+template <typename X, typename W>
+void packed_linear(const X *x, int64_t M, int64_t K, int64_t ldx, const W *p, int64_t N, const float *scale,
                    const float *bias, float *y) {
-    // the largest row blocks share each panel's loads; fewer rows walk several panels at once instead
     const int64_t panels = (N + NR - 1) / NR, groups = (panels + GROUP - 1) / GROUP;
     const int64_t per_group = M * K * NR * GROUP, grain = per_group >= SPLIT ? 1 : (SPLIT + per_group - 1) / per_group;
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
         for (int64_t j0 = g0 * GROUP; j0 < g1 * GROUP && j0 < panels; j0 += GROUP) {
             const int64_t j1 = j0 + GROUP < panels ? j0 + GROUP : panels;
-            int64_t i = 0;
-#if defined(__AVX512F__)  // 32 registers: up to 24 accumulators
-            for (; i + 12 <= M; i += 12) rows<12, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
-            for (; i + 8 <= M; i += 8) rows<8, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
-            for (; i + 4 <= M; i += 4) rows<4, 2>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
-            for (; i + 2 <= M; i += 2) rows<2, 4>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
-            for (; i < M; i++) rows<1, 8>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
-#else  // 16 registers: 12 accumulators, the panel's four vectors and the broadcast row value
-            for (; i + 3 <= M; i += 3) rows<3, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
-            for (; i + 2 <= M; i += 2) rows<2, 1>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
-            for (; i < M; i++) rows<1, 2>(x + i * ldx, ldx, p, K, N, j0, j1, scale, bias, y + i * N);
+#if defined(__AVX512BF16__)
+            // int8 pairs that several blocks of rows read: converted to bfloat16 once for all of them
+            // rather than in registers once per block (the same values, so the same bits)
+            if constexpr (std::is_same_v<W, pair_int8>)
+                if (M > 12) {
+                    thread_local std::vector<pair_bf16> wide;
+                    const int64_t n = (j1 - j0) * K * NR;
+                    if ((int64_t)wide.size() < n) wide.resize(n);
+                    widen(p + j0 * K * NR, n, wide.data());
+                    row_blocks(x, M, ldx, (const pair_bf16 *)wide.data(), K, N, j0, j1, scale, bias, y);
+                    continue;
+                }
 #endif
+            row_blocks(x, M, ldx, p + j0 * K * NR, K, N, j0, j1, scale, bias, y);
         }
     });
 }
+
+#if defined(__AVX512BF16__)
+// The same over panels in pairs of k: each row rounded to bfloat16 pairs first (to nearest even,
+// zero-padded to an even width), on its own, so its pairs do not depend on the rows beside it
+template <typename W>
+void pairs_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const W *p, int64_t N, const float *scale,
+                  const float *bias, float *y) {
+    const int64_t K2 = (K + 1) / 2, ld = (K2 + 15) / 16 * 16;  // pairs, and a row's pairs rounded up to vectors
+    thread_local std::vector<uint32_t> rounded;
+    if ((int64_t)rounded.size() < M * ld) rounded.resize(M * ld);
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t k = 0; k < K; k += 32) {
+            __m512 lo = load_first(x + i * ldx + k, (int)(K - k < 16 ? K - k : 16));
+            __m512 hi = load_first(x + i * ldx + k + 16, (int)(K - k - 16 < 0 ? 0 : K - k - 16 < 16 ? K - k - 16 : 16));
+            _mm512_storeu_si512(rounded.data() + i * ld + k / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    packed_linear(rounded.data(), M, K2, ld, p, N, scale, bias, y);
+}
+#endif
 
 }  // namespace
 
@@ -196,6 +279,33 @@ void linstream_packed_linear_int8(const float *x, int64_t M, int64_t K, int64_t 
     packed_linear(x, M, K, ldx, p, N, scale, bias, y);
 }
 
+void linstream_packed_linear_f16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *p, int64_t N,
+                                 const float *scale, const float *bias, float *y) {
+    packed_linear(x, M, K, ldx, (const half *)p, N, scale, bias, y);
+}
+
+// Whether this build has the panels in pairs of k (the "avx512-bf16" kind)
+int64_t linstream_has_pairs(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+// p: (ceil(N/32), ceil(K/2), 32, 2) bfloat16 or int8
+void linstream_packed_linear_pairs_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *p,
+                                        int64_t N, const float *scale, const float *bias, float *y) {
+    pairs_linear(x, M, K, ldx, (const pair_bf16 *)p, N, scale, bias, y);
+}
+
+void linstream_packed_linear_pairs_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *p,
+                                        int64_t N, const float *scale, const float *bias, float *y) {
+    pairs_linear(x, M, K, ldx, (const pair_int8 *)p, N, scale, bias, y);
+}
+#endif
+
 // The threads a product's split runs on: as many as torch's thread count when the library is built
 // with OpenMP (at::parallel_for is serial without it), one chunk per thread here.
 int64_t linstream_split_threads(void) {
@@ -219,7 +329,8 @@ int linstream_new_handles(AtenTensorHandle *in, int64_t n, AtenTensorHandle *out
 
 // The C shim for torch.ops.linstream.packed_linear(x (M, K), packed, bias?, n, scale?) -> (M, n),
 // as AOTInductor's generated code calls a custom op listed in aot_inductor.custom_ops_to_c_shims;
-// `packed` is float32, bfloat16 or int8.
+// `packed` is float32, bfloat16, float16 or int8 panels (ceil(n/32), K, 32), or bfloat16 or int8
+// panels in pairs of k (ceil(n/32), ceil(K/2), 32, 2) in a build that has them.
 AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle packed, AtenTensorHandle *bias,
                                             int64_t n, AtenTensorHandle *scale, AtenTensorHandle *ret0) {
     int64_t *sizes, *strides;
@@ -227,9 +338,13 @@ AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle
     const int64_t M = sizes[0], K = sizes[1], ldx = strides[0];
     if (strides[1] != 1 && K > 1) return 1;  // the op's callers hand it dense rows (OwnLinear)
     int32_t dtype;
+    int64_t dims;
     void *xp, *pp, *bp = nullptr, *sp = nullptr, *yp;
     if (aoti_torch_get_data_ptr(x, &xp) || aoti_torch_get_data_ptr(packed, &pp)) return 1;
-    if (aoti_torch_get_dtype(packed, &dtype)) return 1;
+    if (aoti_torch_get_dtype(packed, &dtype) || aoti_torch_get_dim(packed, &dims)) return 1;
+#if !defined(__AVX512BF16__)
+    if (dims == 4) return 1;  // panels in pairs of k: not in this build
+#endif
     if (bias && *bias && aoti_torch_get_data_ptr(*bias, &bp)) return 1;
     if (scale && *scale && aoti_torch_get_data_ptr(*scale, &sp)) return 1;
     const int64_t out_sizes[2] = {M, n}, out_strides[2] = {n, 1};
@@ -238,10 +353,19 @@ AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle
         return 1;
     if (aoti_torch_get_data_ptr(*ret0, &yp)) return 1;
     const float *xf = (const float *)xp, *sf = (const float *)sp, *bf = (const float *)bp;
+#if defined(__AVX512BF16__)
+    if (dims == 4 && dtype == aoti_torch_dtype_bfloat16())
+        pairs_linear(xf, M, K, ldx, (const pair_bf16 *)pp, n, sf, bf, (float *)yp);
+    else if (dims == 4)
+        pairs_linear(xf, M, K, ldx, (const pair_int8 *)pp, n, sf, bf, (float *)yp);
+    else
+#endif
     if (dtype == aoti_torch_dtype_bfloat16())
         packed_linear(xf, M, K, ldx, (const uint16_t *)pp, n, sf, bf, (float *)yp);
     else if (dtype == aoti_torch_dtype_int8())
         packed_linear(xf, M, K, ldx, (const int8_t *)pp, n, sf, bf, (float *)yp);
+    else if (dtype == aoti_torch_dtype_float16())
+        packed_linear(xf, M, K, ldx, (const half *)pp, n, sf, bf, (float *)yp);
     else
         packed_linear(xf, M, K, ldx, (const float *)pp, n, sf, bf, (float *)yp);
     return 0;

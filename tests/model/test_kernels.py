@@ -1,11 +1,12 @@
-"""Our float32 matmul (model/kernels): torch.ops.linstream.packed_linear against F.linear, over
-float32, bfloat16 or int8 panels, and a row's bits independent of the rows beside it, the property the
-compiled step's batch invariance rests on. The suite runs whichever build this CPU takes (AVX-512
-or AVX2)."""
+"""Our matmul (model/kernels): torch.ops.linstream.packed_linear against F.linear, over float32,
+bfloat16, float16 or int8 panels, and a row's bits independent of the rows beside it, the property
+the compiled step's batch invariance rests on. The suite runs this process's kind (the best this
+CPU has: "avx512-bf16" packs bfloat16 and int8 weights in pairs of k and rounds the input to
+bfloat16); tests/model/test_kernel_kinds.py forces each kind the CPU has."""
 import pytest
 import torch
 import torch.nn.functional as F
-from linstream.model.kernels import NR, pack, unavailable
+from linstream.model.kernels import NR, pack, pairs, unavailable
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"the kernel cannot run here: {unavailable()}")
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"the kernel c
 SHAPES = [(256, 768), (512, 256), (256, 2048), (512, 32), (16, 512), (100, 37), (7, 65), (1, 1), (33, 1)]
 
 
-DTYPES = [torch.float32, torch.bfloat16, torch.int8]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
 
 
 def weights(N: int, K: int, dtype: torch.dtype, g: torch.Generator):
@@ -30,31 +31,44 @@ def weights(N: int, K: int, dtype: torch.dtype, g: torch.Generator):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_f_linear(K, N, bias, dtype):
-    """bfloat16 panels compute what float32 weights rounded to bfloat16 do, int8 panels what their
-    dequantized weights do (inputs stay float32)."""
+    """bfloat16 and float16 panels compute what float32 weights rounded to them do, int8 panels what
+    their dequantized weights do (inputs stay float32, or are rounded to bfloat16 where the panels
+    hold pairs of k)."""
     g = torch.Generator().manual_seed(K * 1000 + N)
     p, scale, w = weights(N, K, dtype, g)
     b = torch.randn(N, generator=g) if bias else None
-    assert p.shape == ((N + NR - 1) // NR, K, NR) and p.dtype == dtype
+    P = (N + NR - 1) // NR
+    assert p.shape == ((P, (K + 1) // 2, NR, 2) if pairs(dtype) else (P, K, NR)) and p.dtype == dtype
     for M in (1, 2, 3, 4, 5, 12, 13, 64, 70):
         x = torch.randn(M, K, generator=g)
         y = torch.ops.linstream.packed_linear(x, p, b, N, scale)
         assert y.shape == (M, N) and y.dtype == torch.float32
         atol = 1e-4 * K ** 0.5 * (float(w.abs().max()) if dtype == torch.int8 else 1)
-        torch.testing.assert_close(y, F.linear(x, w, b), atol=atol, rtol=1e-5)
+        xr = x.bfloat16().float() if pairs(dtype) else x  # what the kernel multiplies
+        torch.testing.assert_close(y, F.linear(xr, w, b), atol=atol, rtol=1e-5)
+
+
+def unpack(p: torch.Tensor) -> torch.Tensor:
+    """Panels -> the (32 ceil(N/32), K) weight they hold: panel q, column j = output row 32q + j."""
+    if p.dim() == 4:  # (P, K/2, 32, 2): k in pairs
+        return p.transpose(1, 2).reshape(p.shape[0] * NR, -1)
+    return p.permute(0, 2, 1).reshape(p.shape[0] * NR, -1)
 
 
 def test_bfloat16_panels_hold_a_bfloat16_weight_exactly():
     w = torch.randn(70, 48).to(torch.bfloat16)
     p = pack(w, torch.bfloat16)
-    assert torch.equal(p.permute(0, 2, 1).reshape(-1, 48)[:70], w)  # panel q, column j = output row 32q + j
-    assert torch.equal(p.permute(0, 2, 1).reshape(-1, 48)[70:].float(), torch.zeros(26, 48))
-    with pytest.raises(ValueError, match="bfloat16 or int8 panels"):
-        pack(w, torch.float16)
-    q = torch.randint(-127, 128, (40, 16), dtype=torch.int8)
-    assert torch.equal(pack(q, torch.int8).permute(0, 2, 1).reshape(-1, 16)[:40], q)
+    assert torch.equal(unpack(p)[:70], w)
+    assert torch.equal(unpack(p)[70:].float(), torch.zeros(26, 48))
+    h = torch.randn(70, 48).half()
+    assert torch.equal(unpack(pack(h, torch.float16))[:70], h)
+    with pytest.raises(ValueError, match="float16 or int8 panels"):
+        pack(w, torch.float64)
+    q = torch.randint(-127, 128, (40, 15), dtype=torch.int8)  # an odd width: a zero pads the last pair
+    assert torch.equal(unpack(pack(q, torch.int8))[:40, :15], q)
+    assert not unpack(pack(q, torch.int8))[:, 15:].any()
     with pytest.raises(ValueError, match="do not go together"):  # int8 panels need their scales
-        torch.ops.linstream.packed_linear(torch.randn(2, 16), pack(q, torch.int8), None, 40)
+        torch.ops.linstream.packed_linear(torch.randn(2, 15), pack(q, torch.int8), None, 40)
 
 
 @pytest.mark.parametrize("K,N", SHAPES)
