@@ -1,7 +1,8 @@
 """Random-weight checkpoints of published shapes, in the Hugging Face layout, written shard by shard:
 
   mamba-1.4b   MambaForCausalLM as state-spaces/mamba-1.4b-hf: d_model 2048, 48 layers, vocab 50280,
-               d_state 16, expand 2, conv 4, dt rank 128, tied head; float32
+               d_state 16, expand 2, conv 4, dt rank 128, tied head; float32 (mamba-1.4b-bf16: the
+               same tensors stored in bfloat16)
   mamba2-1.3b  Mamba2ForCausalLM as state-spaces/mamba2-1.3b in transformers' Mamba2Config: hidden
                2048, 48 layers, state 128, head dim 64 (64 heads), 1 group, vocab 50288, tied; float32
   rwkv7-1.5b   RWKV7ForCausalLM in fla's layout as fla-hub/rwkv7-1.5B-world: hidden 2048, 24 layers,
@@ -69,6 +70,8 @@ def rwkv7_config(n: int) -> dict:
 
 
 SHAPES = {"mamba-1.4b": ("MambaForCausalLM", lambda n: mamba_config(2048, n), 48, torch.float32),
+          # the same tensors rounded to bfloat16, as checkpoints are often published
+          "mamba-1.4b-bf16": ("MambaForCausalLM", lambda n: mamba_config(2048, n), 48, torch.bfloat16),
           "mamba2-1.3b": ("Mamba2ForCausalLM", mamba2_config, 48, torch.float32),
           "rwkv7-1.5b": ("RWKV7ForCausalLM", rwkv7_config, 24, torch.bfloat16),
           "mamba-2.8b": ("MambaForCausalLM", lambda n: mamba_config(2560, n), 64, torch.float32)}
