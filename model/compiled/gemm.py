@@ -2,13 +2,16 @@
 
     twin = twin(model, "own")     # shares every tensor with `model`; its nn.Linear run our kernel
 
-"own" (the default) is our AVX-512 or AVX2 kernel (model/kernels) over weights packed once in
-panels of 32 columns (float32, or bfloat16 / int8 for `--weights bfloat16 / int8`), called from
-the step built ahead of time through its C shim. At one row it streams the weights as fast as
-inductor's template; at large batches it is much faster than the template, about as fast as
-MKL's sgemm (`python -m benchmarks.model.decode --step-only --threads 1 --gemm inductor own
---step-batches 1 4 64` puts the three side by side). Where the CPU has neither ISA or the build
-fails, the step runs inductor's template instead, with a log line.
+"own" (the default) is our kernel (model/kernels) over weights packed once in panels of 32
+columns (float32, or bfloat16 / float16 / int8 for `--weights`), called from the step built ahead
+of time through its C shim, in the process's kind (model/kernels/cpu.py: "avx512-bf16" where the
+CPU has AVX512-BF16, whose bfloat16 and int8 panels are multiplied by the input rounded to
+bfloat16 with two products per instruction; else "avx512" or "avx2", which widen every weight to
+float32). At one row it streams the weights as fast as inductor's template; at large batches it
+is much faster than the template and faster than MKL's sgemm (`python -m benchmarks.model.decode
+--step-only --threads 1 --gemm inductor own --step-batches 1 4 64` puts the three side by side;
+`python -m benchmarks.model.kernel_kinds` the kinds beside MKL and oneDNN). Where the CPU has
+neither ISA or the build fails, the step runs inductor's template instead, with a log line.
 "inductor" is inductor's own C++ GEMM template over weights it packs at compile
 time (model/compiled/stepper.py). It streams the weights at one row about as fast as a GEMV, but
 its blocking is made for a few rows: past a handful of rows the step's time climbs steeply and a
@@ -78,10 +81,11 @@ class OwnLinear(nn.Module):
 
 class OwnBF16Linear(BF16Linear):
     """A BF16Linear (--weights bfloat16) through our kernel over bfloat16 panels: the weights'
-    bytes halved as with inductor's bfloat16 template, but the input stays float32 (the kernel
-    widens each weight as it loads it), so the result is float32 weights rounded to bfloat16
-    multiplied in float32, one FMA chain per output as for float32 panels. Its `w` is shared with
-    the BF16Linear it stands for; only the panels are new."""
+    bytes halved as with inductor's bfloat16 template. In the "avx512" and "avx2" kinds the input
+    stays float32 (the kernel widens each weight as it loads it), one FMA chain per output as for
+    float32 panels; in "avx512-bf16" the input is rounded to bfloat16, as BF16Linear's own forward
+    does, and pairs of products go into each output's chain at once. Its `w` is shared with the
+    BF16Linear it stands for; only the panels are new."""
 
     def __init__(self, linear: BF16Linear):
         nn.Module.__init__(self)
@@ -111,8 +115,9 @@ class OwnF16Linear(F16Linear):
 
 class OwnInt8Linear(Int8Linear):
     """An Int8Linear (--weights int8) through our kernel over int8 panels: a quarter of float32's
-    bytes, each weight widened exactly as it is loaded and the row's scale applied once its FMA
-    chain is done, the input left in float32. Its qweight is shared with the Int8Linear it
+    bytes, each weight converted exactly as it is loaded and the row's scale applied once its
+    chain is done; the input left in float32 ("avx512", "avx2") or rounded to bfloat16, as
+    Int8Linear's own forward does ("avx512-bf16"). Its qweight is shared with the Int8Linear it
     stands for; only the panels and a float32 copy of the scales are new."""
 
     def __init__(self, linear: Int8Linear):

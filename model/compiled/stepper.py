@@ -64,6 +64,7 @@ from torch import Tensor
 
 from .. import CACHE_DIR
 from ..kernels import aoti_options, compiler, unavailable
+from ..kernels import kind as kernel_kind
 from ..lm import LM
 from ..state import State
 from .aot import AotStep
@@ -146,7 +147,8 @@ class Stepper:
             self.packed_in_place = True
             t0 = time.perf_counter()
             pack_in_place(model)  # here, before any step: the eager path runs on the same panels from now on
-            log.info("projections packed for our kernel in place in %.1f s (their only copy)", time.perf_counter() - t0)
+            log.info("projections packed for our kernel (%s kind) in place in %.1f s (their only copy)", kernel_kind(),
+                     time.perf_counter() - t0)
         if cache_dir or not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir or CACHE_DIR)
         self.thread = threading.Thread(target=self.warm, name="compile-step", daemon=True)
@@ -161,6 +163,13 @@ class Stepper:
         if self.compiled is not None:
             return "compiled"
         return "compiling" if self.mode == "on" and self.thread.is_alive() else "eager"
+
+    @property
+    def kernel_kind(self) -> str | None:
+        """The kind of our matmul (model/kernels/cpu.py) that runs this model's projections: the
+        compiled step's with `--gemm own`, or every path's once they are packed in place; else None."""
+        ours = self.packed_in_place or (self.compiled is not None and self.kernels == "own")
+        return kernel_kind() if ours else None
 
     def _why_eager(self, mode: str) -> str | None:
         if mode == "off":
@@ -204,7 +213,8 @@ class Stepper:
             return
         self.min_rows, self.kernels, self.runtime = min_rows, kernels, runtime
         self.compiled, self.warm_s = fn, time.perf_counter() - t0
-        log.info("compiled decode step ready in %.1f s (%s matmuls, %s)", self.warm_s, kernels, runtime)
+        ours = f" ({kernel_kind()} kind)" if kernels == "own" else ""  # model/kernels/cpu.py
+        log.info("compiled decode step ready in %.1f s (%s matmuls%s, %s)", self.warm_s, kernels, ours, runtime)
 
     def _own_unavailable(self) -> str | None:
         why = unavailable()

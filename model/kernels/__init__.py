@@ -8,9 +8,9 @@
 The kernel (packed_linear.cpp) is one source built for the process's kind (cpu.py: the best this
 CPU has, or $LINSTREAM_KERNEL's): AVX-512, or AVX2 + FMA + F16C. Weights sit in panels of 32
 output columns, float32, or bfloat16, float16 or int8 (one scale per output) widened to float32
-as they are loaded; register blocks where rows share a panel's loads (12 rows with AVX-512, 3 with
-AVX2), and fewer rows walking several panels at once; a large product is split between torch's
-threads by groups of panels. Each output is one FMA chain over k from zero, then its scale and its
+as they are loaded; register blocks where rows share a panel's loads (6 rows by 2 panels with
+AVX-512, 3 rows with AVX2), and fewer rows walking several panels at once; a large product is
+split between torch's threads by groups of panels. Each output is one FMA chain over k from zero, then its scale and its
 bias, so a row's bits never depend on the rows beside it (batch invariance), nor on the thread
 count, nor on which of the two ISAs ran it: the same property inductor's own GEMM template has,
 at several times its speed at large batches with AVX-512.
@@ -178,6 +178,9 @@ def new_handles():
     return _loaded().linstream_new_handles
 
 
+PACK_ROWS = 128 * NR  # rows `pack` converts at a time (its float32 copy: at most this many rows)
+
+
 def pairs(dtype: torch.dtype) -> bool:
     """Whether `pack` lays `dtype` out in pairs of k in this process's kind."""
     return kind() == PAIRS and dtype in PAIR_DTYPES
@@ -196,6 +199,11 @@ def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     shape = (P, K2, NR, 2) if pairs(dtype) else (P, K, NR)
     if weight.is_meta:  # a model restored structurally: its panels' shape only, their values assigned later
         return torch.empty(shape, dtype=dtype, device="meta")
+    if N > PACK_ROWS:  # a block of whole panels at a time: a large W's float32 copy is made a block at a time
+        out = torch.empty(shape, dtype=dtype)
+        for r in range(0, N, PACK_ROWS):
+            out[r // NR:(r + PACK_ROWS) // NR] = pack(weight[r:r + PACK_ROWS], dtype)
+        return out
     if pairs(dtype):
         w = weight.detach()
         padded = torch.zeros(P * NR, 2 * K2, dtype=dtype)

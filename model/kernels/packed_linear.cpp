@@ -3,7 +3,7 @@
 //
 // W is packed once into panels of 32 output columns, p[N/32][K][32] (the last panel padded with
 // zero columns), so a panel's k-th row is two AVX-512 vectors or four AVX2 ones. Every output is
-// one FMA chain over k = 0..K-1 starting from zero, then the bias added: whatever M is, whichever
+// one FMA chain over k = 0..K-1 starting from zero, then its scale and bias: whatever M is, whichever
 // register block a row falls in and whichever of the two instruction sets runs it, its bits are
 // the same, so a session's text does not depend on the batch it shared (nor on the CPU it moved to).
 // The blocks differ only in how many rows share a panel's loads and how many panels a few rows walk
@@ -106,9 +106,8 @@ struct pair_bf16 { uint16_t w[2]; };
 struct pair_int8 { int8_t w[2]; };
 inline __m512bh load(const pair_bf16 *p) { return (__m512bh)_mm512_loadu_si512(p); }  // 16 columns' pairs
 inline __m512bh load(const pair_int8 *p) {  // 16 columns' pairs of int8 -> bfloat16, exactly
-    __m256i q = _mm256_loadu_si256((const __m256i *)p);
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));  // columns 0-7
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 8))));  // 8-15
     return _mm512_cvtne2ps_pbh(hi, lo);  // lo's 16 values first
 }
 // a row's pair (x[2 k2], x[2 k2 + 1]) as bfloat16, in every lane: acc + x0 w0 + x1 w1 per lane
@@ -176,8 +175,9 @@ inline void row_blocks(const X *x, int64_t M, int64_t ldx, const W *pj, int64_t 
                        const float *scale, const float *bias, float *y) {
     int64_t i = 0;
 #if defined(__AVX512F__)  // 32 registers: up to 24 accumulators
-    for (; i + 12 <= M; i += 12) rows<12, 1>(x + i * ldx, ldx, pj, K, N, j0, j1, scale, bias, y + i * N);
-    for (; i + 8 <= M; i += 8) rows<8, 1>(x + i * ldx, ldx, pj, K, N, j0, j1, scale, bias, y + i * N);
+    // 6 rows x 2 panels: 10 loads (4 of the panels', 6 broadcasts) per 24 multiply-adds, where 12
+    // rows x 1 panel take 14 (and run slower)
+    for (; i + 6 <= M; i += 6) rows<6, 2>(x + i * ldx, ldx, pj, K, N, j0, j1, scale, bias, y + i * N);
     for (; i + 4 <= M; i += 4) rows<4, 2>(x + i * ldx, ldx, pj, K, N, j0, j1, scale, bias, y + i * N);
     for (; i + 2 <= M; i += 2) rows<2, 4>(x + i * ldx, ldx, pj, K, N, j0, j1, scale, bias, y + i * N);
     for (; i < M; i++) rows<1, 8>(x + i * ldx, ldx, pj, K, N, j0, j1, scale, bias, y + i * N);
@@ -216,7 +216,7 @@ void packed_linear(const X *x, int64_t M, int64_t K, int64_t ldx, const W *p, in
             // int8 pairs that several blocks of rows read: converted to bfloat16 once for all of them
             // rather than in registers once per block (the same values, so the same bits)
             if constexpr (std::is_same_v<W, pair_int8>)
-                if (M > 12) {
+                if (M > 12) {  // more than two blocks of rows (at two, converting in registers is as quick)
                     thread_local std::vector<pair_bf16> wide;
                     const int64_t n = (j1 - j0) * K * NR;
                     if ((int64_t)wide.size() < n) wide.resize(n);

@@ -75,7 +75,7 @@ def test_bfloat16_panels_hold_a_bfloat16_weight_exactly():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_rows_bits_do_not_depend_on_its_batch(K, N, dtype):
     """Every output is one FMA chain over k from zero and then its bias, whichever register block
-    (12, 8, 4, 2 or 1 rows with AVX-512; 3, 2 or 1 with AVX2) its row falls in."""
+    (6, 4, 2 or 1 rows with AVX-512; 3, 2 or 1 with AVX2) its row falls in."""
     g = torch.Generator().manual_seed(N)
     p, scale, _ = weights(N, K, dtype, g)
     b = torch.randn(N, generator=g)

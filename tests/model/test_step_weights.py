@@ -8,7 +8,7 @@ import torch
 
 from linstream.model.compiled import Stepper, aot, compiler_missing
 from linstream.model.config import PRESETS
-from linstream.model.kernels import unavailable
+from linstream.model.kernels import kind, unavailable
 from linstream.model.lm import LM
 from tests.conftest import random_state
 
@@ -37,6 +37,7 @@ def assert_steps_like_eager(st: Stepper, rows: int = 3):
 def test_a_second_checkpoint_of_the_shape_steps_with_the_first_ones_library(compiled, caplog):
     first = compiled("shipped:linear")  # the run's step of the shipped model (built once, for one thread)
     assert (first.kernels, first.runtime) == ("own", "aoti") and first.compiled.libraries[0].exists()
+    assert first.kernel_kind == kind()  # what the start-up log and /v1/models name
     with caplog.at_level("INFO", logger="linstream.compiled"):  # random weights of the same shape
         second = Stepper(seeded(first.model.cfg, 1), "on", background=False)
     assert second.compiled.built == [] and "from the cache" in caplog.text and "library built" not in caplog.text

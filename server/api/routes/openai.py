@@ -499,7 +499,8 @@ def model_card(rt, name: str, e: Engine) -> dict:
             "max_new_tokens": cfg.max_new_tokens, "state_bytes": e.empty.row_nbytes(0), **footprint(e.model),
             "weights": getattr(e.model, "weights_format", cfg.weights), "decode_step": e.stepper.status,
             "step_kernels": e.stepper.kernels if e.stepper.status == "compiled" else None,
-            "step_runtime": e.stepper.runtime if e.stepper.status == "compiled" else None}
+            "step_runtime": e.stepper.runtime if e.stepper.status == "compiled" else None,
+            "kernel": e.stepper.kernel_kind}
 
 
 @router.get("/models")

@@ -209,6 +209,7 @@ def test_tokenize_detokenize_health_and_models(server):
     assert m["max_model_len"] > 0 and m["state_bytes"] > 0
     assert m["decode_step"] == "eager"  # the test servers run with LINSTREAM_COMPILE=off (conftest)
     assert m["step_kernels"] is None  # "own", "packed", "onednn" or "blas" once compiled
+    assert m["kernel"] is None  # our matmul's kind ("avx512-bf16", ...) where it runs the projections
 
 
 def test_langchain_and_litellm_where_installed(server):
