@@ -3,6 +3,8 @@ app (generate, chat, bench, loadtest). `serve` is registered on the same app by 
 which owns the installed entry point, so that clients never import the server."""
 from __future__ import annotations
 
+import sys
+
 import typer
 
 from .commands import app
@@ -11,11 +13,14 @@ __all__ = ["app", "main"]
 
 
 def main():
-    import httpx
-
     try:
         app()
-    except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # one line, not a traceback
+    except Exception as e:
+        # a connection error is one line, not a traceback; httpx is imported by the commands that
+        # use it, and `serve` does not
+        httpx = sys.modules.get("httpx")
+        if httpx is None or not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+            raise
         u = e.request.url
         typer.echo(f"cannot reach {u.scheme}://{u.netloc.decode()}: is linstream serve running? set LINSTREAM_URL",
                    err=True)

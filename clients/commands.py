@@ -4,11 +4,12 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from .sdk import Client, LinstreamError
+if TYPE_CHECKING:  # the commands import the client (and httpx) when they run: `serve` never does
+    from .sdk import Client
 
 app = typer.Typer(add_completion=False, no_args_is_help=True)
 
@@ -37,6 +38,7 @@ def generate(prompt: str, url: Annotated[str, URL] = "http://127.0.0.1:8000",
              model: Optional[str] = None, max_tokens: int = 200, temperature: float = 0.8, top_p: float = 0.95,
              seed: Optional[int] = None):
     """Stream a continuation of PROMPT to the terminal as it arrives."""
+    from .sdk import Client, LinstreamError
     with Client(url, api_key) as c:
         try:
             s = c.create_session(prompt=prompt, model=model)
@@ -65,6 +67,7 @@ def chat(url: Annotated[str, URL] = "http://127.0.0.1:8000", api_key: Annotated[
          session: Annotated[Optional[str], typer.Option(help="continue this session (Ctrl-C printed its id)")] = None,
          max_tokens: int = 120, temperature: float = 0.8, top_p: float = 0.95):
     """Interactive loop on one session. Each line is pushed, then the model answers."""
+    from .sdk import Client
     c = Client(url, api_key)
     sid = c.get_session(session)["id"] if session else c.create_session(model=model)["id"]
     typer.echo(f"session {sid}; {CHAT_HELP}")
@@ -78,6 +81,7 @@ def chat(url: Annotated[str, URL] = "http://127.0.0.1:8000", api_key: Annotated[
 
 
 def _chat_loop(c: Client, session: list[str], max_tokens: int, temperature: float, top_p: float) -> None:
+    from .sdk import LinstreamError
     sid = session[0]
     while True:
         try:
@@ -129,6 +133,7 @@ def bench_latency(url: Annotated[str, URL] = "http://127.0.0.1:8000", api_key: A
                   out: Annotated[Optional[str], typer.Option(help=OUT)] = None):
     """Per-token latency over SSE vs context length, per model, against the KV-cache baseline."""
     from .bench_latency import run
+    from .sdk import Client
     names = models.split(",") if models else [m["id"] for m in Client(url, api_key).models()]
     run(url, names, [int(x) for x in contexts.split(",")], tokens, in_process, hf, threads, out or _run_dir("latency"),
         weights, api_key)

@@ -47,6 +47,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
@@ -150,10 +151,22 @@ def _code_digest() -> str:
 
 
 def _key(what: list, options: dict, min_rows: int, max_rows: int) -> str:
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
     settings = sorted((k, repr(v) if isinstance(v, dict) else v) for k, v in options.items())  # (op keys: not JSON)
-    parts = [FORMAT, what, settings, min_rows, max_rows, torch.__version__, str(pick_vec_isa()), torch.get_num_threads()]
+    parts = [FORMAT, what, settings, min_rows, max_rows, torch.__version__, _vec_isa(), torch.get_num_threads()]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
+
+
+def _vec_isa() -> str:
+    """What inductor's choice of vector ISA for a build depends on, read without importing
+    inductor: its own choice (torch._inductor.cpu_vec_isa.pick_vec_isa) imports inductor and
+    dynamo, builds a probe per ISA and loads each in a new Python, at every start, on the thread
+    that opens a cached library while the server answers its first requests (docs/benchmarks.md,
+    the cold start). The CPU's flags as torch reads them, ATEN_CPU_CAPABILITY and the compiler
+    decide that choice; a library keyed on them was built on a CPU with these flags, so it runs
+    here."""
+    flags = [f for f in ("avx2", "avx512", "vnni", "avx512_bf16", "amx_tile", "amx_fp16")
+             if getattr(torch.cpu, f"_is_{f}_supported", lambda: False)()]
+    return " ".join([platform.machine(), *flags, os.environ.get("ATEN_CPU_CAPABILITY", ""), kernels.compiler() or ""])
 
 
 def library_key(model: LM, options: dict, min_rows: int, max_rows: int) -> str:

@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-
-import httpx
+from typing import TYPE_CHECKING
 
 from .store import StoreUnavailable
+
+if TYPE_CHECKING:  # imported where used: only a server on Redis has leases, the others never import it
+    import httpx
 
 log = logging.getLogger("linstream")
 
@@ -67,6 +69,7 @@ class Leases:
     # ---- this replica's registration -------------------------------------------------------
     def start(self) -> None:
         """Register this replica as alive, and keep it so from a thread until `close`."""
+        import httpx
         self.http = httpx.AsyncClient(timeout=PROBE_TIMEOUT)
         self._beat = threading.Thread(target=self._heartbeat, name="linstream-heartbeat", daemon=True)
         self._beat.start()
@@ -120,6 +123,7 @@ class Leases:
             return True
         if self.http is None:
             return False
+        import httpx
         try:
             r = await self.http.get(url.decode() + "/healthz")
         except httpx.ConnectError:

@@ -27,8 +27,6 @@ import hashlib
 import logging
 import time
 
-from redis.exceptions import RedisError
-
 from linstream.model.snapshot import SnapshotError, state_from_bytes, state_to_bytes
 from linstream.model.state import State
 
@@ -85,8 +83,10 @@ return nil
 
 class PrefixTier:
     def __init__(self, url: str, budget: int, ttl: float, engines: dict, metrics=None):
-        import redis.asyncio as redis
+        import redis.asyncio as redis  # here: a server without a tier never imports the client
+        from redis.exceptions import RedisError
         self.r = redis.from_url(url, socket_timeout=2, socket_connect_timeout=1)
+        self.failures = (RedisError, OSError)  # Redis down or slow
         self.budget, self.ttl_ms = budget, max(1000, int(ttl * 1000))
         self.engines, self.metrics = engines, metrics  # model name -> Engine (fingerprint, empty state)
         self.pending: set[asyncio.Task] = set()
@@ -113,7 +113,7 @@ class PrefixTier:
         try:
             await self.put_script(keys=[TAG + "e:" + key.hex(), TAG + "len:" + self._scope(model, scope), TAG + "lru",
                                         TAG + "bytes"], args=[blob, self.ttl_ms, _now_ms(), length, self.budget])
-        except (RedisError, OSError) as e:  # Redis down or slow: the entry is only missing
+        except self.failures as e:  # Redis down or slow: the entry is only missing
             log.debug("prefix tier: write failed: %s", e)
             return
         if self.metrics:
@@ -144,7 +144,7 @@ class PrefixTier:
             keys = sorted(walk(lengths), reverse=True)  # longest first
             got = await self.get_script(keys=[TAG + "lru", *(TAG + "e:" + k.hex() for _, k in keys)],
                                         args=[self.ttl_ms, _now_ms()])
-        except (RedisError, OSError) as e:  # Redis down or slow: a miss
+        except self.failures as e:  # Redis down or slow: a miss
             log.debug("prefix tier: lookup failed: %s", e)
             return 0, None
         if not got:
