@@ -14,6 +14,7 @@ imported model is an ordinary `LM`: sessions, snapshots, batching and stores nee
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import math
@@ -141,7 +142,9 @@ def _serving(m: nn.Module, fmt: str, pack: bool):
         if convert is None:
             linear.weight = nn.Parameter(linear.weight.float(), requires_grad=False)
         served = linear if convert is None else convert(linear)
-        return packed_alone(served) if pack else served
+        served = packed_alone(served) if pack else served
+        _trim()  # the conversion's scratch, before the next projection's
+        return served
     return how
 
 
@@ -153,6 +156,14 @@ def stored_format(stored: dict) -> str:
         if s.dtype.is_floating_point and len(s.shape) == 2:
             held[s.dtype] = held.get(s.dtype, 0) + s.end - s.start
     return STORED_FORMATS.get(max(held, key=held.get), "float32") if held else "float32"
+
+
+def _trim() -> None:
+    """The conversion's freed blocks handed back to the system (glibc's malloc keeps them otherwise)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # another C library or allocator
+        pass
 
 
 def panel_kind() -> str | None:

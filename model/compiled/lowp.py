@@ -37,6 +37,7 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")  # how projections a
 # the stored dtype of a checkpoint's projections -> the format `--weights auto` serves them in
 STORED_FORMATS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 K_MULTIPLE = 16  # the kernel's input widths
+ROWS = 4096  # rows quantized at a time
 
 
 class Int8Linear(nn.Module):
@@ -47,9 +48,18 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach().float()  # (N, K)
-        scale = w.abs().amax(1).clamp_min(1e-12) / 127  # (N,) one per output row
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        if linear.weight.is_meta:  # a structure to assign a cached copy to: shapes and dtypes only
+            self.register_buffer("qweight", torch.empty(self.out_features, self.in_features, dtype=torch.int8, device="meta"))
+            self.register_buffer("scale", torch.empty(self.out_features, dtype=torch.bfloat16, device="meta"))
+            self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+            return
+        qweight = torch.empty(self.out_features, self.in_features, dtype=torch.int8)
+        scale = torch.empty(self.out_features)
+        for r in range(0, self.out_features, ROWS):  # a block of rows at a time: its float32 copy is all that is made
+            w = linear.weight[r:r + ROWS].detach().float()  # (rows, K)
+            scale[r:r + ROWS] = s = w.abs().amax(1).clamp_min(1e-12) / 127  # one per output row
+            qweight[r:r + ROWS] = torch.round(w / s[:, None]).clamp(-127, 127)
+        self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.to(torch.bfloat16))  # the kernel wants the input's dtype
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
 

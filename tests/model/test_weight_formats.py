@@ -185,3 +185,22 @@ def _structure(path):
 def test_the_models_route_names_the_served_format(ckpt):
     model, _ = load_checkpoint(ckpt, weights="int8")
     assert model.weights_format == "int8" and any(isinstance(m, Int8Linear) for m in model.modules())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", kernels.PANEL_DTYPES)
+def test_packing_a_block_of_rows_at_a_time_gives_the_same_panels(dtype, monkeypatch):
+    w = torch.randn(70 * 3 + 5, 48).to(dtype if dtype != torch.int8 else torch.float32)
+    if dtype == torch.int8:
+        w = w.mul(20).round().clamp(-127, 127).to(torch.int8)
+    whole = kernels.pack(w, dtype)
+    monkeypatch.setattr(kernels, "PACK_ROWS", 2 * kernels.NR)
+    assert torch.equal(kernels.pack(w, dtype), whole)
+
+
+def test_quantizing_a_block_of_rows_at_a_time_gives_the_same_int8(monkeypatch):
+    lin = torch.nn.Linear(64, 300)
+    whole = Int8Linear(lin)
+    monkeypatch.setattr("linstream.model.compiled.lowp.ROWS", 7)
+    blocks = Int8Linear(lin)
+    assert torch.equal(blocks.qweight, whole.qweight) and torch.equal(blocks.scale, whole.scale)
