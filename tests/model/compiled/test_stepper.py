@@ -7,6 +7,8 @@ each, and each other kernel (inductor's template, oneDNN) and runtime (torch.com
 linear layer. The same checks over every tiny preset and kernel are marked `matrix`
 (`pytest -m matrix`)."""
 import itertools
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -22,7 +24,7 @@ from linstream.model.snapshot import state_from_bytes, state_to_bytes
 from linstream.model.state import State
 
 from tests.conftest import random_state
-from tests.compiled_steps import TEST_MODELS, make_model
+from tests.compiled_steps import ROOT, TEST_MODELS, make_model
 
 pytestmark = [pytest.mark.skipif(compiler_missing() is not None, reason="no C++ compiler for inductor"),
               pytest.mark.usefixtures("one_thread")]
@@ -213,6 +215,17 @@ def test_the_library_is_its_own_cache(caplog, compiled):
         other.head.weight.add_(1e-3)
     other.requires_grad_(False)
     assert library_key(other, PACKED, AOT_MIN_ROWS, MAX_ROWS) != library_key(st.model, PACKED, AOT_MIN_ROWS, MAX_ROWS)
+
+
+def test_a_cached_library_opens_without_inductor(compiled):
+    """A step whose library is in the cache opens in a fresh process without importing inductor
+    or dynamo (at a server's start, that import would run beside its first requests)."""
+    compiled(MIXERS)  # built, or loaded, into the run's cache (TORCHINDUCTOR_CACHE_DIR)
+    code = ("import sys; from tests import compiled_steps; "
+            f"st = compiled_steps.build({MIXERS!r}); "
+            "print(st.status, st.runtime, sorted(m for m in ('torch._inductor', 'torch._dynamo') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.split("\n")[-2] == "compiled aoti []", out
 
 
 def test_a_failed_build_falls_back_to_dynamo(monkeypatch, caplog, compiled):
