@@ -25,6 +25,7 @@ model/snapshot.py's.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,20 @@ class State:
                     shape[d - 1] = min(p, shape[d - 1])
                 total += math.prod(shape) * t.element_size()
         return total
+
+    def pool(self, slots: int) -> "State":
+        """`slots` rows, each this one-row state (a fresh model.init_state(1)): a session pool.
+        On the CPU its tensors lie in pages of an anonymous mapping, which the kernel zeroes as
+        each is first written (a session taking its slot writes its row) instead of all of them
+        being written with zeros here: making a pool of a thousand states costs nothing at start-up.
+        A tensor whose row is not all zeros (RWKV-4's running maximum) is filled with it."""
+        def rows(t: Tensor) -> Tensor:
+            out = _zeros((slots, *t.shape[1:]), t.dtype, t.device)
+            if t.numel() and bool(t.ne(0).any()):
+                out.copy_(t.expand_as(out))
+            return out
+        return State([{n: rows(t) for n, t in layer.items()} for layer in self.layers], rows(self.position),
+                     [dict(d) for d in self.time_dims], rows(self.next_logits))
 
     def select(self, rows: list[int]) -> "State":
         """Rows of a batched state. A contiguous run of rows is a view (no copy), so stepping it
@@ -163,6 +178,15 @@ class State:
         return State([{n: self._trimmed(i, n, t, p).clone() for n, t in layer.items()}
                       for i, layer in enumerate(self.layers)], self.position.clone(), self.time_dims,
                      self.next_logits.clone())
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """torch.zeros; on the CPU, for more than a page, in fresh pages of an anonymous mapping (zero
+    until written, and memory only once written). The tensor keeps the mapping alive."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < mmap.PAGESIZE:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 def _all_finite(t: Tensor) -> bool:

@@ -97,7 +97,7 @@ class Engine:
         self.name, self.model, self.tok = name, model, tok
         self.stepper = Stepper(model, compile, gemm=gemm, runtime=step_runtime,  # model.step, compiled once warm
                                max_rows=max_batch)  # (model/compiled.py)
-        self.pool: State = model.init_state(slots)
+        self.pool: State = model.init_state(1).pool(slots)  # zeroed page by page as sessions take slots
         self.slots = slots
         self.kv_token_bytes = kv_token_bytes(self.pool)  # a position of one row's KV caches (0: none)
         self.kv_cap: int | None = None  # positions the pool's KV caches may grow to (settings.kv_total_bytes)

@@ -7,6 +7,7 @@ import torch
 from linstream.model.config import PRESETS
 from linstream.model.generate import decode_one_token, prefill
 from linstream.model.lm import LM
+from linstream.model.state import State
 from linstream.model.snapshot import (
     SnapshotCorrupt,
     SnapshotError,
@@ -53,6 +54,29 @@ def test_pool_select_assign_roundtrip(tiny):
     for la, lb in zip(back.layers, s.compact().layers):
         for n in la:
             assert torch.equal(la[n], lb[n])
+
+
+def test_a_pool_is_init_state_row_for_row(tiny):
+    """A session pool made from one row (State.pool, its pages zeroed as they are first written)
+    holds what init_state of as many rows holds, and its rows take a session's state."""
+    made, pool = tiny.init_state(64), tiny.init_state(1).pool(64)
+    assert made.time_dims == pool.time_dims
+    for a, b in zip([*made.layers, {"position": made.position, "logits": made.next_logits}],
+                    [*pool.layers, {"position": pool.position, "logits": pool.next_logits}]):
+        assert all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype and b[n].is_contiguous() for n in a)
+    s = prefill(tiny, [3, 4, 5, 6], tiny.init_state(1))
+    pool.assign([40], s)
+    back = pool.select([40]).compact()
+    assert all(torch.equal(la[n], lb[n]) for la, lb in zip(back.layers, s.compact().layers) for n in la)
+
+
+def test_a_pool_repeats_a_row_that_is_not_zero():
+    """A state that does not start at zero (RWKV-4's running maximum) is repeated in every row."""
+    one = State([{"max": torch.full((1, 2048), -1e38), "num": torch.zeros(1, 2048)}], torch.zeros(1, dtype=torch.long),
+                [{}], torch.zeros(1, 8))
+    pool = one.pool(3)
+    assert torch.equal(pool.layers[0]["max"], torch.full((3, 2048), -1e38))
+    assert torch.equal(pool.layers[0]["num"], torch.zeros(3, 2048))
 
 
 @pytest.fixture(params=TINY)  # every mixer's state refuses the same bad blobs
