@@ -18,6 +18,7 @@ model() {  # in-process: the model, its kernels, its step, sampling, snapshots
   python -m benchmarks.model.table               # model/table.md, model/table.json
   python -m benchmarks.model.aoti_step           # model/aoti_step.json
   python -m benchmarks.model.own_gemm --inductor # model/own_gemm.json
+  python -m benchmarks.model.kernel_kinds        # model/kernel_kinds.json
   python -m benchmarks.model.lowp_matmul --bpb   # model/lowp_matmul.json
   python -m benchmarks.model.sampler --reps 7    # model/sampler.txt
   python -m benchmarks.model.grammar_libs        # model/grammar_libs.json (pip install llguidance xgrammar outlines-core)

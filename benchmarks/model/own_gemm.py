@@ -85,7 +85,8 @@ def main(argv=None):
             row = {"in": K, "out": N, "models": [m for m in a.models if (K, N) in shapes(m)]}
             for M in a.rows:
                 x, y = torch.randn(M, K), torch.empty(M, N)
-                own = median_s(lambda: lib.linstream_packed_linear(x.data_ptr(), M, K, K, packed.data_ptr(), N, None, y.data_ptr()), a.reps)
+                own = median_s(lambda: lib.linstream_packed_linear(x.data_ptr(), M, K, K, packed.data_ptr(), N, None, None,
+                                                                   y.data_ptr()), a.reps)
                 mkl = median_s(lambda: torch.nn.functional.linear(x, w), a.reps)
                 err = (y - x @ w.t()).abs().max().item()
                 assert err < 1e-3 * K ** 0.5, (K, N, M, err)
@@ -99,11 +100,11 @@ def main(argv=None):
                 print(f"{K:5d} -> {N:5d}, {M:3d} rows: " + "  ".join(f"{k} {v}" for k, v in row[M].items() if k != "max_abs_err"),
                       flush=True)
             x, y = torch.randn(64, K), torch.empty(64, N)
-            lib.linstream_packed_linear(x.data_ptr(), 64, K, K, packed.data_ptr(), N, None, y.data_ptr())
+            lib.linstream_packed_linear(x.data_ptr(), 64, K, K, packed.data_ptr(), N, None, None, y.data_ptr())
             same = True
             for rows in ([0], [63], [5, 6, 7], list(range(13)), list(range(1, 64)), [3, 60, 1, 30, 31]):
                 xr, yr = x[rows].contiguous(), torch.empty(len(rows), N)
-                lib.linstream_packed_linear(xr.data_ptr(), len(rows), K, K, packed.data_ptr(), N, None, yr.data_ptr())
+                lib.linstream_packed_linear(xr.data_ptr(), len(rows), K, K, packed.data_ptr(), N, None, None, yr.data_ptr())
                 same &= torch.equal(yr, y[rows])
             row["rows_bit_identical_across_batches"] = bool(same)
             print(f"{K:5d} -> {N:5d}: a row's bits the same in every batch: {same}", flush=True)

@@ -10,17 +10,18 @@ CPU has, or $LINSTREAM_KERNEL's): AVX-512, or AVX2 + FMA + F16C. Weights sit in 
 output columns, float32, or bfloat16, float16 or int8 (one scale per output) widened to float32
 as they are loaded; register blocks where rows share a panel's loads (6 rows by 2 panels with
 AVX-512, 3 rows with AVX2), and fewer rows walking several panels at once; a large product is
-split between torch's threads by groups of panels. Each output is one FMA chain over k from zero, then its scale and its
-bias, so a row's bits never depend on the rows beside it (batch invariance), nor on the thread
-count, nor on which of the two ISAs ran it: the same property inductor's own GEMM template has,
-at several times its speed at large batches with AVX-512.
+split between torch's threads by groups of panels. Each output is one FMA chain over k from zero,
+then its scale and its bias, so a row's bits never depend on the rows beside it (batch
+invariance), nor on the thread count, nor on which of the two ISAs ran it: the same property
+inductor's own GEMM template has, at several times its speed at large batches with AVX-512.
 The "avx512-bf16" kind packs bfloat16 and int8 weights in pairs of k instead, (ceil(N/32),
 ceil(K/2), 32, 2), and multiplies them with AVX512-BF16's dot products (two bfloat16 products per
 float32 lane per instruction) by the input rounded to bfloat16: about twice the arithmetic per
 instruction for many rows, another numeric (float32 and float16 panels are as in "avx512"), and
 still one fixed chain per output. `pack` lays weights out for the process's kind, the op takes
 either layout (the panels' dims say which), and `kind()` names both, for caches of packed weights.
-`python -m benchmarks.model.own_gemm` measures each kind against MKL and oneDNN.
+`python -m benchmarks.model.kernel_kinds` measures each kind against MKL and oneDNN,
+`python -m benchmarks.model.own_gemm` float32 panels against inductor's template.
 
 AOTInductor calls it straight from the generated step through its C shim
 (`aoti_torch_cpu_packed_linear`, listed in `aot_inductor.custom_ops_to_c_shims`): no dispatcher,
