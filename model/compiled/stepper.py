@@ -132,6 +132,8 @@ class Stepper:
         one = model.init_state(1)  # what every call's inputs must look like, row for row (_fits)
         self._signature = [(t.dtype, t.shape[1:]) for t in (torch.zeros(1, dtype=torch.long), one.position,
                                                              *[t for layer in one.layers for t in layer.values()])]
+        if gemm == "own" and not self.cuda:
+            kernel_kind()  # a LINSTREAM_KERNEL this CPU lacks stops the start here, with its reason
         why = self._why_eager(mode)
         if why:
             if mode == "on":
@@ -213,7 +215,7 @@ class Stepper:
             return
         self.min_rows, self.kernels, self.runtime = min_rows, kernels, runtime
         self.compiled, self.warm_s = fn, time.perf_counter() - t0
-        ours = f" ({kernel_kind()} kind)" if kernels == "own" else ""  # model/kernels/cpu.py
+        ours = f", {kernel_kind()} kind" if kernels == "own" else ""  # model/kernels/cpu.py
         log.info("compiled decode step ready in %.1f s (%s matmuls%s, %s)", self.warm_s, kernels, ours, runtime)
 
     def _own_unavailable(self) -> str | None:
