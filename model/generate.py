@@ -1,6 +1,6 @@
 """Generation without HTTP: the core the server's engine and in-process generation share.
 
-    prefill_chunk(model, tokens, state)   -> logits (1, T, V), state     one pass of the chunked form
+    prefill_chunk(model, tokens, state)   -> logits (1, T, V), state     one pass of the chunked form (last=True: (1, 1, V))
     prefill(model, tokens, state)         -> state (with next_logits)    the chunked form, in bounded pieces
     decode_one_token(step, tokens, state) -> logits (B, V), state        one batched step
     prefill_by_steps(step, tokens, state) -> logits (1, T, V), state     a few tokens, one step each
@@ -30,10 +30,11 @@ PREFILL_CHUNK = 1024  # bounded pieces: a softmax prefill's attention matrix sta
 
 
 @torch.no_grad()
-def prefill_chunk(model: LM, tokens: list[int] | Tensor, state: State) -> tuple[Tensor, State]:
+def prefill_chunk(model: LM, tokens: list[int] | Tensor, state: State, last: bool = False) -> tuple[Tensor, State]:
     """One pass of the chunked form over `tokens` (batch 1): the logits after each token
-    (1, T, V) and a new state; `state` itself is left as it was."""
-    return model(torch.as_tensor(tokens, dtype=torch.long).view(1, -1), state)
+    (1, T, V), or after the last one only (last: (1, 1, V), all a prompt needs but for its
+    logprobs), and a new state; `state` itself is left as it was."""
+    return model(torch.as_tensor(tokens, dtype=torch.long).view(1, -1), state, last_only=last)
 
 
 @torch.inference_mode()
@@ -41,7 +42,7 @@ def prefill(model: LM, tokens: list[int] | Tensor, state: State, chunk: int = PR
     """Advance `state` (batch 1) over `tokens` with the chunked form, in bounded pieces."""
     ids = torch.as_tensor(tokens, dtype=torch.long).view(-1)
     for i in range(0, len(ids), chunk):
-        _, state = prefill_chunk(model, ids[i:i + chunk], state)
+        _, state = prefill_chunk(model, ids[i:i + chunk], state, last=True)
     return state
 
 

@@ -96,15 +96,19 @@ class LM(nn.Module):
                      [dict(b.mixer.time_dims) for b in self.blocks],
                      torch.zeros(batch, self.cfg.vocab_size, device=dev, dtype=dt))
 
-    def forward(self, tokens: Tensor, state: State | None = None, form: str = "forward"):
+    def forward(self, tokens: Tensor, state: State | None = None, form: str = "forward", last_only: bool = False):
         """tokens (B, T). form 'forward' is the chunked/parallel path; 'naive' the token loop.
-        With state=None the pass starts from zero and returns no state (training)."""
+        With state=None the pass starts from zero and returns no state (training). last_only:
+        the logits of the last position only, (B, 1, V) (a prompt's prefill needs no others: the
+        head is the largest projection, and it would run over every position)."""
         x = self.embed(tokens.to(self.embed.weight.device))  # (B, T, D)
         pos = None if state is None else state.position  # (B,) each row's position before these tokens
         new, carry = [], None  # carry: within these tokens, from block to block (model/mixers/__init__.py)
         for i, block in enumerate(self.blocks):
             x, s, carry = block(x, None if state is None else state.layers[i], pos, form, carry)  # (B, T, D)
             new.append(s)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, D)
         logits = self.head(self.norm(x)).float()  # (B, T, V); sampled in float32 whatever the weights
         if state is None:
             return logits, None

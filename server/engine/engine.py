@@ -368,7 +368,7 @@ class Engine:
                 job.saved = self.pool.copy_rows([job.slot], with_growing=False)
             prev = st.next_logits.clone() if job.logprobs is not None else None
             logits, new = (prefill_by_steps(self.stepper, chunk, st, [job.slot]) if steps else
-                           prefill_chunk(self.model, chunk, st))
+                           prefill_chunk(self.model, chunk, st, last=job.logprobs is None))
             bad = new.nonfinite()  # both forms build a new state: the row is untouched until assigned
             if bad:
                 raise NonFiniteState(f"prefilling these tokens makes the session's state non-finite ({bad} holds "

@@ -31,7 +31,7 @@ def spy(monkeypatch) -> list[str]:
     ran = []
     steps, chunked = engine_mod.prefill_by_steps, engine_mod.prefill_chunk
     monkeypatch.setattr(engine_mod, "prefill_by_steps", lambda *a: ran.append("steps") or steps(*a))
-    monkeypatch.setattr(engine_mod, "prefill_chunk", lambda *a: ran.append("chunked") or chunked(*a))
+    monkeypatch.setattr(engine_mod, "prefill_chunk", lambda *a, **k: ran.append("chunked") or chunked(*a, **k))
     return ran
 
 
