@@ -235,7 +235,13 @@ class _Held:
         self.tensors = tensors  # kept alive as long as the handles
         ptrs = [_capsule_ptr(c, None) for c in unsafe_alloc_void_ptrs_from_tensors(tensors)]
         self._handles = (ctypes.c_void_p * len(ptrs))(*ptrs)
-        self._new = kernels.new_handles()
+        # called holding the GIL (a PYFUNCTYPE, not the library's own CDLL function, which lets it
+        # go): this call comes between the engine handing the last step's tokens to the event
+        # loop and the step, and a GIL let go here passed to the loop, which then sent those
+        # tokens before the step instead of beside it, the step waiting (docs/benchmarks.md, one
+        # stream's gap)
+        fn = kernels.new_handles()
+        self._new = ctypes.PYFUNCTYPE(fn.restype, *fn.argtypes)(ctypes.cast(fn, ctypes.c_void_p).value)
 
     def copy_to(self, address: int) -> None:
         if self._new(ctypes.addressof(self._handles), len(self.tensors), address):
