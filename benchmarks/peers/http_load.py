@@ -2,8 +2,11 @@
 
 Each of C clients repeats one cycle until the level's time is up (the cycle in flight finishes):
   linstream  create a session with the prompt -> stream max_tokens -> delete it
-  llama.cpp  POST /v1/completions with the prompt, stream=true (its server keeps no sessions:
-             the prompt is evaluated afresh each time, which is its `create`)
+  llama.cpp  POST /v1/completions with the prompt, stream=true (its server keeps no sessions, but
+             a slot keeps its last prompt, with checkpoints of a recurrent state: a prompt sent
+             again is evaluated only from its last checkpoint, a few of its tokens)
+  linstream_completions  linstream's POST /v1/completions, the request llama.cpp gets (the
+             prefix cache keeps the prompt's state: a prompt sent again is not prefilled)
 The client stamps every streamed event as it arrives: time to first token, the gaps between
 events (median, p99) and the mean time per token within a stream (first event to last over the
 tokens between; a server that sends in bursts has a small median gap but not a small mean), and
@@ -40,6 +43,28 @@ def linstream_cycle(c: AsyncClient, model: str, prompt: str, m: int, sampling: d
         finally:
             await c.delete(s["id"])
         return n
+    return cycle
+
+
+def completions_cycle(c: httpx.AsyncClient, model: str, prompt: str, m: int, sampling: dict) -> Cycle:
+    """linstream's OpenAI route, streamed: the same request as llama_cycle's (without llama.cpp's
+    own fields). An event may carry several tokens (a character split between them); the count
+    comes from finish_reason."""
+    body = {"model": model, "prompt": prompt, "max_tokens": m, "stream": True, **sampling}
+
+    async def cycle(stamps: list) -> int:
+        finish, events = None, 0
+        async with aconnect_sse(c, "POST", "/v1/completions", json=body) as src:
+            src.response.raise_for_status()
+            async for sse in src.aiter_sse():
+                if sse.data == "[DONE]":
+                    break
+                choice = json.loads(sse.data)["choices"][0]
+                if choice.get("text"):
+                    stamps.append(time.perf_counter())
+                    events += 1
+                finish = choice.get("finish_reason") or finish
+        return m if finish == "length" else events
     return cycle
 
 
@@ -116,6 +141,14 @@ def linstream_levels(url: str, model: str, prompt: str, m: int, levels: list[int
     client = AsyncClient(url, timeout=300, limits=httpx.Limits(max_connections=max(levels) + 8))
     return asyncio.run(_run_levels(client, lambda c: linstream_cycle(c, model, prompt, m, sampling), levels, duration,
                                    "linstream"))
+
+
+def linstream_completions_levels(url: str, model: str, prompt: str, m: int, levels: list[int], duration: float,
+                                 sampling: dict = SAMPLING) -> list[dict]:
+    client = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=10),
+                               limits=httpx.Limits(max_connections=max(levels) + 8))
+    return asyncio.run(_run_levels(client, lambda c: completions_cycle(c, model, prompt, m, sampling), levels, duration,
+                                   "linstream /v1/completions"))
 
 
 def llama_levels(url: str, prompt: str, m: int, levels: list[int], duration: float,

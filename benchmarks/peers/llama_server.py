@@ -15,7 +15,9 @@ Questions, each asked of both in turns (--rounds):
             of linstream's compiled decode step (the one the server steps with) at 1 (2) threads
   prefill   `llama-bench -p 2048 -n 0 -t 1` against linstream's chunked prefill of 2,048 tokens in
             the server's slices (prefill_chunk, 512 tokens)
-  stream    one SSE stream over HTTP, 128 greedy tokens, clients repeating: median and p99 gap
+  stream    one SSE stream over HTTP, 128 greedy tokens, clients repeating: median and p99 gap,
+            time to first token; linstream asked both ways: create -> generate -> delete, and
+            POST /v1/completions as llama-server is (http_load.py says what each reuses)
   clients   8 and 64 concurrent clients each repeating a 128-token sampled stream (linstream:
             create -> generate -> delete; llama-server: POST /v1/completions, stream): tokens/s, gaps
   cold      process start -> first streamed token of a 16-token prompt (/v1/completions on both)
@@ -138,13 +140,14 @@ def over_http(a, twin: LM, ckpt: Path, gguf: Path, server: Path, workdir: Path) 
     extra = llama_bias(tok, twin_gguf.EOS)
     res = {"prompt": PROMPT, "max_tokens": a.tokens, "duration_s": a.duration, "levels": a.levels,
            "llama_cpp_forbidden_tokens": len(extra["logit_bias"]), "sampling": http_load.SAMPLING,
-           "single_stream": {"linstream": [], "llama_cpp": [], "sampling": http_load.GREEDY}}
+           "single_stream": {"linstream": [], "llama_cpp": [], "linstream_completions": [],
+                             "sampling": http_load.GREEDY}}
     for c in a.levels:
         res[f"clients_{c}"] = {"linstream": [], "llama_cpp": []}
     with served([str(ckpt)], "--store", f"disk:{workdir / 'store'}", *a.serve_arg, threads=1, compiled=True) as lin:
         res["linstream_step"], res["linstream_args"] = lin.steps, ["--threads", "1", *a.serve_arg]
         print(f"  linstream decode step: {lin.steps}", flush=True)
-        llama = llama_native.LlamaServer(server, gguf, workdir / "llama-server.log", slots=max(a.levels))
+        llama = llama_native.LlamaServer(server, gguf, workdir / "llama-server.log", slots=max(a.levels, default=8))
         res["llama_server_args"] = ["llama-server", *llama.args[1:2], gguf.name, *llama.args[3:]]
         try:
             res["agreement"] = agreement(twin, llama.url, tok.encode(PROMPT), extra)
@@ -156,6 +159,8 @@ def over_http(a, twin: LM, ckpt: Path, gguf: Path, server: Path, workdir: Path) 
                     lin.url, NAME, PROMPT, a.tokens, [1], a.duration, http_load.GREEDY)[0]))
                 one["llama_cpp"].append(on_cpu(llama.proc.pid, lambda: http_load.llama_levels(
                     llama.url, PROMPT, a.tokens, [1], a.duration, http_load.GREEDY, extra)[0]))
+                one["linstream_completions"].append(on_cpu(lin.proc.pid, lambda: http_load.linstream_completions_levels(
+                    lin.url, NAME, PROMPT, a.tokens, [1], a.duration, http_load.GREEDY)[0]))
                 for c in a.levels:
                     res[f"clients_{c}"]["linstream"].append(on_cpu(lin.proc.pid, lambda c=c: http_load.linstream_levels(
                         lin.url, NAME, PROMPT, a.tokens, [c], a.duration)[0]))
@@ -182,7 +187,7 @@ def cold_start(a, ckpt: Path, gguf: Path, server: Path, workdir: Path) -> dict:
         res["linstream"].append(llama_native.first_token_s(args, poster(f"http://127.0.0.1:{port}", body),
                                                           workdir / "cold-linstream.log"))
         body = {"prompt": prompt, "max_tokens": 1, "stream": True, "temperature": 0, **extra}
-        res["llama_cpp"].append(llama_native.server_first_token_s(server, gguf, max(a.levels), body,
+        res["llama_cpp"].append(llama_native.server_first_token_s(server, gguf, max(a.levels, default=8), body,
                                                                  workdir / "cold-llama.log"))
         print("  cold start: " + ", ".join(f"{k} up {v[-1]['up_s']:.2f} s, first token {v[-1]['first_token_s']:.2f} s"
                                            for k, v in res.items() if k != "prompt_tokens"), flush=True)
@@ -195,7 +200,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="times each question is asked of both, alternating")
     ap.add_argument("--tokens", type=int, default=128, help="tokens per streamed generation")
-    ap.add_argument("--levels", type=int, nargs="+", default=[8, 64], help="concurrent clients")
+    ap.add_argument("--levels", type=int, nargs="*", default=[8, 64], help="concurrent clients (none: one stream only)")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per HTTP measurement")
     ap.add_argument("--cold", type=int, default=3, help="cold starts of each")
     ap.add_argument("--only", nargs="+", choices=["in_process", "http", "cold"], help="ask only these")

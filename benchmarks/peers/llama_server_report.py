@@ -11,17 +11,19 @@ def _range(xs: list[float]) -> list[float]:
     return [min(xs), max(xs)]
 
 
-def _pair(out: dict, section: str, question: str | None, *path: str, higher: bool = True) -> dict | None:
+def _pair(out: dict, section: str, question: str | None, *path: str, higher: bool = True,
+          ours: str = "linstream") -> dict | None:
     """Best round and range of each system for one figure (out[section][question][system][round]
-    then `path`; question None: out[section][system][round]); None where it was not asked."""
+    then `path`; question None: out[section][system][round]); None where it was not asked.
+    `ours`: the key of linstream's rounds (another way of asking it: its /v1/completions)."""
     q = out.get(section) or {}
     q = q if question is None else q.get(question)
-    if not q or not q.get("linstream") or not q.get("llama_cpp"):
+    if not q or not q.get(ours) or not q.get("llama_cpp"):
         return None
     res = {}
-    for system in ("linstream", "llama_cpp"):
+    for system, key in (("linstream", ours), ("llama_cpp", "llama_cpp")):
         xs = []
-        for r in q[system]:
+        for r in q[key]:
             for k in path:
                 r = r[k]
             xs.append(r)
@@ -57,6 +59,16 @@ def rows(out: dict) -> list[dict]:
         _pair(out, "http", "single_stream", "gap_mean_ms", higher=False))
     add("one SSE stream, tokens per server CPU-second", "tok/cpu-s",
         _pair(out, "http", "single_stream", "tokens_per_server_cpu_s"))
+    add("one SSE stream, time to first token, median (create -> generate)", "ms",
+        _pair(out, "http", "single_stream", "ttft_ms", "p50", higher=False), "<= llama-server's",
+        lambda p: p["linstream"]["best"] <= p["llama_cpp"]["best"])
+    by_completions = {"ours": "linstream_completions", "higher": False}
+    add("one SSE stream by /v1/completions, median gap", "ms",
+        _pair(out, "http", "single_stream", "itl_ms", "p50", **by_completions), "<= llama-server's",
+        lambda p: p["linstream"]["best"] <= p["llama_cpp"]["best"])
+    add("one SSE stream by /v1/completions, time to first token, median", "ms",
+        _pair(out, "http", "single_stream", "ttft_ms", "p50", **by_completions), "<= llama-server's",
+        lambda p: p["linstream"]["best"] <= p["llama_cpp"]["best"])
     for c in (out.get("http") or {}).get("levels", []):
         tps = _pair(out, "http", f"clients_{c}", "tokens_per_s")
         p50 = _pair(out, "http", f"clients_{c}", "itl_ms", "p50", higher=False)
