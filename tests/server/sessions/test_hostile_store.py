@@ -391,9 +391,9 @@ class PoisonSecondChunk:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def __call__(self, tokens, state):
+    def __call__(self, tokens, state, **kwargs):
         self.calls += 1
-        logits, new = self.model(tokens, state)
+        logits, new = self.model(tokens, state, **kwargs)
         if self.calls == 2:
             new.layers[0]["S"] = torch.full_like(new.layers[0]["S"], float("nan"))
         return logits, new
