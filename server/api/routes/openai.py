@@ -168,6 +168,16 @@ class Choices:
         begins (event None), then its "token"s and its "done". Each run's next event is asked for
         only after its previous one has been taken, so a token counts as delivered (`events`)
         once the response has it. A refusal that cannot wait is raised."""
+        if self.count == 1:  # one choice: its events as they come, without a task and a queue per event
+            run, gen = self.runs[0], events(self.runs[0].stream)
+            try:
+                yield 0, run, "start", None
+                async for kind, ev in gen:
+                    yield 0, run, kind, ev
+            finally:
+                await gen.aclose()
+                self.let_go()
+            return
         ready: asyncio.Queue = asyncio.Queue()  # tasks as they finish
         tasks: dict[asyncio.Task, tuple[str, int]] = {}  # ("start" | "event", k)
         gens: dict[int, AsyncIterator] = {}
