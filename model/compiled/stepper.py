@@ -247,7 +247,7 @@ class Stepper:
             return AotStep.build(model, options, min_rows, MAX_ROWS, Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "aoti")
 
     def _compile(self, model: LM, options: dict, min_rows: int):
-        # (dynamo is imported here, not for a library from the cache: a second of CPU at start-up)
+        # (dynamo is imported here, not for a library from the cache: it is costly at start-up)
         # every model compiles its own entry of LM.step_layers: room for many models in one server
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         fn = torch.compile(model.step_layers, fullgraph=True)
