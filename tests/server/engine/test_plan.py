@@ -63,9 +63,9 @@ async def scenario(model, push: bool, stream: bool):
     sizes = {True: [], False: []}
     forward = model.forward
 
-    def recording(tokens, state=None, form="forward"):
+    def recording(tokens, state=None, form="forward", **kw):
         sizes[bool(eng.jobs)].append(tokens.shape[1])
-        return forward(tokens, state, form)
+        return forward(tokens, state, form, **kw)
     eng.start()
     model.forward = recording
     try:
