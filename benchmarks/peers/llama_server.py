@@ -159,13 +159,16 @@ def over_http(a, twin: LM, ckpt: Path, gguf: Path, server: Path, workdir: Path) 
                     lin.url, NAME, PROMPT, a.tokens, [1], a.duration, http_load.GREEDY)[0]))
                 one["llama_cpp"].append(on_cpu(llama.proc.pid, lambda: http_load.llama_levels(
                     llama.url, PROMPT, a.tokens, [1], a.duration, http_load.GREEDY, extra)[0]))
-                one["linstream_completions"].append(on_cpu(lin.proc.pid, lambda: http_load.linstream_completions_levels(
-                    lin.url, NAME, PROMPT, a.tokens, [1], a.duration, http_load.GREEDY)[0]))
                 for c in a.levels:
                     res[f"clients_{c}"]["linstream"].append(on_cpu(lin.proc.pid, lambda c=c: http_load.linstream_levels(
                         lin.url, NAME, PROMPT, a.tokens, [c], a.duration)[0]))
                     res[f"clients_{c}"]["llama_cpp"].append(on_cpu(llama.proc.pid, lambda c=c: http_load.llama_levels(
                         llama.url, PROMPT, a.tokens, [c], a.duration, http_load.SAMPLING, extra)[0]))
+            # last: a completion caches its prompt's state, from which every create above would start
+            for r in range(a.rounds):
+                print(f"  round {r + 1}: one stream by /v1/completions, greedy, {a.tokens} tokens", flush=True)
+                one["linstream_completions"].append(on_cpu(lin.proc.pid, lambda: http_load.linstream_completions_levels(
+                    lin.url, NAME, PROMPT, a.tokens, [1], a.duration, http_load.GREEDY)[0]))
         finally:
             llama.stop()
     return res
