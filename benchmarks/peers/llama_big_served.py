@@ -10,6 +10,8 @@ weights, f32 against float32, f16 against bfloat16). For each model:
 
   cold     process start -> the first streamed token of a 16-token prompt (`POST /v1/completions`),
            `--cold` starts of each, linstream's compiled step already in its on-disk cache
+  prompt   time to the first token of a new --prompt-token prompt, each server up and warm, --reps
+           prompts each, the two taking turns
   clients  8 and 64 concurrent clients (`--levels`), each repeating a `--tokens`-token sampled
            stream for `--duration` seconds (linstream: create -> generate -> delete; llama-server:
            `POST /v1/completions`, stream), the two servers up side by side and taking turns
@@ -84,6 +86,43 @@ def clients(name: str, ckpt: Path, gguf: Path, bins: dict, serve_args: list[str]
     return res
 
 
+def prompt_ttft(name: str, ckpt: Path, gguf: Path, bins: dict, serve_args: list[str], tokens: int, reps: int,
+                extra: dict, workdir: Path) -> dict:
+    """Time to the first streamed token of a new `tokens`-token prompt (`POST /v1/completions`,
+    max_tokens 1, greedy), each server up and warm, a different prompt every time (no prefix or
+    prompt cache helps), the two taking turns."""
+    import random
+
+    import httpx
+    vocab = Tokenizer(ckpt / "tokenizer.json").vocab_size
+    rng = random.Random(0)
+
+    def ttft(url: str, body: dict) -> float:
+        t0 = time.perf_counter()
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+            r.raise_for_status()
+            next(line for line in r.iter_lines() if line.startswith("data:") and "choices" in line)
+        return round(time.perf_counter() - t0, 3)
+
+    res = {"prompt_tokens": tokens, "linstream_s": [], "llama_cpp_s": []}
+    with served([str(ckpt)], "--store", f"disk:{workdir / 'prompt-store'}", *serve_args, threads=1, compiled=True,
+                start_s=START_S) as lin:
+        llama = llama_native.LlamaServer(bins["llama-server"], gguf, workdir / "llama-prompt.log", slots=1,
+                                         slot_ctx=2 * tokens)
+        try:
+            for _ in range(reps + 1):  # the first of each warms its prefill path and is not kept
+                prompt = [rng.randrange(vocab) for _ in range(tokens)]
+                body = {"prompt": prompt, "max_tokens": 1, "stream": True, "temperature": 0}
+                res["linstream_s"].append(ttft(lin.url, {**body, "model": name}))
+                res["llama_cpp_s"].append(ttft(llama.url, {**body, **extra}))
+                print(f"  {tokens}-token prompt, first token: linstream {res['linstream_s'][-1]} s, "
+                      f"llama-server {res['llama_cpp_s'][-1]} s", flush=True)
+        finally:
+            llama.stop()
+    res["linstream_s"], res["llama_cpp_s"] = res["linstream_s"][1:], res["llama_cpp_s"][1:]
+    return res
+
+
 def summary(res: dict) -> dict:
     """The figures the docs' table quotes, per level: tokens/s, mean time per token, TTFT median."""
     out = {}
@@ -107,7 +146,9 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--cold", type=int, default=2)
-    ap.add_argument("--parts", nargs="+", choices=["clients", "cold"], default=["clients", "cold"],
+    ap.add_argument("--prompt", type=int, default=512, help="the new prompt's tokens (part prompt)")
+    ap.add_argument("--reps", type=int, default=2, help="prompts timed on each server (part prompt)")
+    ap.add_argument("--parts", nargs="+", choices=["clients", "cold", "prompt"], default=["clients", "cold", "prompt"],
                     help="measure only these (the others' figures in --out are kept)")
     ap.add_argument("--out", default=RESULT)
     a = ap.parse_args(argv)
@@ -132,6 +173,8 @@ def main(argv=None) -> None:
                           "tokens": a.tokens, "duration_s": a.duration, "sampling": http_load.SAMPLING})
             if "clients" in a.parts:
                 entry["clients"] = clients(name, ckpt, gguf, bins, serve_args, a, extra, workdir)
+            if "prompt" in a.parts:
+                entry["prompt"] = prompt_ttft(name, ckpt, gguf, bins, serve_args, a.prompt, a.reps, extra, workdir)
             if "cold" in a.parts:
                 entry["cold_start"] = cold_start(name, ckpt, gguf, bins, serve_args, max(a.levels), a.cold, extra,
                                                  workdir)
