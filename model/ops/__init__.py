@@ -7,7 +7,7 @@ from the papers as float32 token loops that share no code with the forms they ch
     rope.py            rope                                     rotary positions (softmax, retnet)                    test_ops
     decayed_attn.py    decayed_attn_*, linear_attn_*            fixed per-head decay (linear, performer, retnet)       test_ops
     gated_attn.py      gated_attn_*                             per-channel data-dependent decay (gla, rwkv, fla-*)    test_ops
-    selective_scan.py  selective_scan, selective_scan_step      Mamba's scan (mamba)                                   test_ops
+    selective_scan.py  selective_scan, selective_scan_step      Mamba's scan (mamba; prefill: a C++ kernel)            test_ops, test_scan_kernel
     ssd.py             ssd_chunked, ssd_step                    Mamba-2's scalar-decay SSM (mamba2)                    test_ops
     wkv.py             wkv_chunked, wkv_step                    RWKV-4's WKV (rwkv4)                                   test_ops
     delta_rule.py      delta_rule_chunked, delta_rule_step      DeltaNet's delta rule (fla-deltanet)                   test_fla
