@@ -127,25 +127,13 @@ def library() -> Path:
     loaded into the process; the process's own kind's with its symbols global (the C shim). Builds
     it on first use (one C++ compile)."""
     with _lock:
-        torch_dir = Path(torch.__file__).parent
         why = unavailable()
         if why:
             raise RuntimeError(f"the packed_linear kernel cannot be built: {why}")
         name = kind()
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags(name)).encode() + torch.__version__.encode()).hexdigest()[:16]
-        path = _cache_dir() / f"libpacked_linear-{key}.so"
+        path = built(SOURCE, flags(name))
         if name in _libs and Path(_libs[name]._name) == path:
             return path
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                out = Path(tmp) / path.name
-                cmd = [compiler(), *flags(), f"-I{torch_dir / 'include'}", "-o", str(out), str(SOURCE),
-                       f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                if done.returncode:
-                    raise RuntimeError(f"building {SOURCE.name} failed:\n{done.stderr[-2000:]}")
-                os.replace(out, path)  # atomic: another process sees the whole library or none
         # only the process's kind global: a step library resolves the shim to the first one loaded so
         lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL if name == _process_kind() else ctypes.RTLD_LOCAL)
         p, i = ctypes.c_void_p, ctypes.c_int64
@@ -157,6 +145,26 @@ def library() -> Path:
         lib.linstream_split_threads.argtypes, lib.linstream_split_threads.restype = [], i
         _libs[name] = lib
         return path
+
+
+def built(source: Path, build_flags: list[str]) -> Path:
+    """`source` built into a shared library in the kernels' cache, named by a hash of the source, the
+    flags and torch's version: one C++ compile the first time, found there after. Written under a
+    temporary name and renamed, so another process sees the whole library or none."""
+    torch_dir = Path(torch.__file__).parent
+    key = hashlib.sha256(source.read_bytes() + " ".join(build_flags).encode() + torch.__version__.encode()).hexdigest()[:16]
+    path = _cache_dir() / f"lib{source.stem}-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            out = Path(tmp) / path.name
+            cmd = [compiler(), *build_flags, f"-I{torch_dir / 'include'}", "-o", str(out), str(source),
+                   f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"building {source.name} failed:\n{done.stderr[-2000:]}")
+            os.replace(out, path)
+    return path
 
 
 def _loaded() -> ctypes.CDLL:

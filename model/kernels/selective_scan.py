@@ -12,16 +12,13 @@ torch), written atomically so that concurrent processes see all of it or none.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from . import _cache_dir, compiler, flags, unavailable
+from . import built, flags, unavailable
 
 SOURCE = Path(__file__).with_name("selective_scan.cpp")
 MAX_STATE = 64  # the largest state size n the kernel's stack buffers hold
@@ -40,20 +37,7 @@ def library() -> ctypes.CDLL:
         why = unavailable()
         if why:
             raise RuntimeError(f"the selective_scan kernel cannot be built: {why}")
-        torch_dir = Path(torch.__file__).parent
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags()).encode() + torch.__version__.encode()).hexdigest()[:16]
-        path = _cache_dir() / f"libselective_scan-{key}.so"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                out = Path(tmp) / path.name
-                cmd = [compiler(), *flags(), f"-I{torch_dir / 'include'}", "-o", str(out), str(SOURCE),
-                       f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                if done.returncode:
-                    raise RuntimeError(f"building {SOURCE.name} failed:\n{done.stderr[-2000:]}")
-                out.replace(path)  # atomic: the whole library or none
-        lib = ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(built(SOURCE, flags())))
         p, i = ctypes.c_void_p, ctypes.c_int64
         lib.linstream_selective_scan.argtypes = [p] * 9 + [i] * 4
         lib.linstream_scan_exp.argtypes = [p, p, i]
