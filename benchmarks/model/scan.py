@@ -7,15 +7,22 @@ prompt of --tokens tokens from a zero state, eagerly under inference mode as `ge
 runs it. For each thread count it prints and writes:
   scan_ms       the scan alone on the layer's own x, delta, A, B, C, D: kernel, torch form
   layer_ms      the block's whole forward (norm, projections, conv, scan, gate), with either form
-  head_ms       the final norm and the head over every prompt row (a prefill's logits, as LM.forward makes them)
+  head_ms       the final norm and the head over the prompt's last position (all a prefill computes)
   model_tok_s   tokens / (layers x layer_ms + head_ms): a whole model's prefill, the embedding aside
 --profile prints torch.profiler's table of one layer's forward with each form (the kernel's call
-shows as `selective_scan_kernel`). `--parts whole` builds the whole model in memory instead (random
-weights, tied embeddings, packed: about 6 GB at 1.4 B, 11 GB at 2.8 B) and times `generate.prefill`
-of the prompt from its initial state, as benchmarks.model.big_serving times a loaded checkpoint's:
+shows as `selective_scan_kernel`). `--parts whole` (with `layer` or alone) builds the whole model in
+memory (random weights, tied embeddings, packed: about 6 GB at 1.4 B, 11 GB at 2.8 B) and times
+`generate.prefill` of the prompt from its initial state, as benchmarks.model.big_serving times a
+loaded checkpoint's:
   whole         tokens / the whole prefill's time (tokens/s), each form
+`--llama GGUF` runs llama.cpp's `llama-bench -p TOKENS -n 0 -t THREADS -r 2` on that file too
+(`--parts` with no parts: that alone; benchmarks.peers.llama_big --write DIR f32 writes a
+checkpoint as GGUF; benchmarks.peers.llama_build builds llama.cpp):
+  llama_cpp     its prompt tokens/s, the mean of its repetitions
+The results file keeps the latest figures of each shape, part and thread count, each with its
+command (docs/benchmarks.md lists the runs behind its table).
 
-    python -m benchmarks.model.scan --threads 1 2 --parts layer whole --best
+    python -m benchmarks.model.scan --parts layer whole --best --quiet 10
 """
 from __future__ import annotations
 
@@ -43,11 +50,36 @@ from linstream.model.ops.selective_scan import selective_scan, selective_scan_to
 SHAPES = {"mamba-1.4b": (2048, 48), "mamba-2.8b": (2560, 64)}  # d_model, layers
 VOCAB = 50280
 BEST = False  # --best
+QUIET = 0.0  # --quiet
+
+
+def others_busy(seconds: float) -> float:
+    """The share of the CPUs that other processes' un-niced work used over the next `seconds`
+    (Linux: /proc/stat's user and system time less this process's own); niced work yields to us."""
+    def now():
+        cpu = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()  # fields 3 on: utime, stime at 11, 12
+        return cpu[0] + cpu[2] + cpu[5] + cpu[6] - int(own[11]) - int(own[12]), sum(cpu)
+    (b0, t0), _, (b1, t1) = now(), time.sleep(seconds), now()
+    return (b1 - b0) / max(t1 - t0, 1)
+
+
+def wait_quiet() -> None:
+    """With --quiet, block until other processes have left the CPUs idle for --quiet seconds (up to an
+    hour; then measure anyway and say so)."""
+    if not QUIET:
+        return
+    end = time.monotonic() + 3600
+    while others_busy(QUIET) > 0.05:
+        if time.monotonic() > end:
+            print("still busy after an hour: measuring anyway", flush=True)
+            return
 
 
 def median_s(f, reps: int) -> float:
     """The median of `reps` timed calls after one untimed; with --best, the fastest (on a shared
     machine, the least disturbed)."""
+    wait_quiet()
     f()
     xs = []
     for _ in range(reps):
@@ -112,6 +144,19 @@ def whole(name: str, tokens: int, threads: list[int], reps: int) -> dict:
     return out
 
 
+def llama(gguf: Path, tokens: int, threads: list[int], reps: int) -> dict:
+    """{"1t": {"tok_s": llama-bench's pp tokens/s, "bench": its command}, ...}."""
+    from benchmarks.peers import llama_build, llama_native
+    bench = llama_build.build()["llama-bench"]
+    out = {}
+    for t in threads:
+        wait_quiet()
+        r = llama_native.bench(bench, gguf, prompt=tokens, threads=t, reps=reps)
+        out[f"{t}t"] = {"tok_s": round(r["tokens_per_s"], 2), "bench": r["command"]}
+        print(f"{gguf.name}, {t} thread(s): llama-bench pp{tokens} {out[f'{t}t']['tok_s']} tok/s", flush=True)
+    return out
+
+
 def layer(name: str, tokens: int, threads: list[int], reps: int, profile: bool) -> dict:
     """{"1t": {"scan_ms": ..., "layer_ms": ..., "head_ms": ..., "model_tok_s": ...}, ...}: one layer."""
     d, layers = SHAPES[name]
@@ -138,7 +183,7 @@ def layer(name: str, tokens: int, threads: list[int], reps: int, profile: bool) 
             for form in ("kernel", "torch"):
                 with scan_form(form):
                     r["layer_ms"][form] = 1e3 * median_s(run, reps)
-            r["head_ms"] = 1e3 * median_s(lambda: hd(u), reps)
+            r["head_ms"] = 1e3 * median_s(lambda: hd(u[:, -1:]), reps)
             r["model_tok_s"] = {f: tokens / (layers * r["layer_ms"][f] / 1e3 + r["head_ms"] / 1e3) for f in ("kernel", "torch")}
             r = {k: {f: round(v, 2) for f, v in x.items()} if isinstance(x, dict) else round(x, 2) for k, x in r.items()}
             out[f"{t}t"] = r
@@ -158,17 +203,20 @@ def layer(name: str, tokens: int, threads: list[int], reps: int, profile: bool) 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--parts", nargs="+", default=["layer"], choices=["layer", "whole"],
+    ap.add_argument("--parts", nargs="*", default=["layer"], choices=["layer", "whole"],
                     help="whole: also (or only) the whole model's prefill, built in memory")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--reps", type=int, default=5, help="timed calls per figure (the whole model: at most 3)")
     ap.add_argument("--best", action="store_true", help="the fastest of --reps calls, not their median")
+    ap.add_argument("--llama", type=Path, metavar="GGUF", help="also llama-bench's prefill of this file (one --shapes)")
+    ap.add_argument("--quiet", type=float, default=0.0, metavar="S",
+                    help="before each figure, wait until other processes leave the CPUs idle for S seconds")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/model/scan.json")
     a = ap.parse_args(argv)
-    global BEST
-    BEST = a.best
+    global BEST, QUIET
+    BEST, QUIET = a.best, a.quiet
     kernel.library()
     # A shared machine is seldom quiet for long, so a run may measure one shape, part or thread count:
     # the file keeps the latest figures of each (shape, part, thread count), each with its command.
@@ -176,10 +224,16 @@ def main(argv=None):
     res = json.loads(out.read_text()) if out.exists() else {"shapes": {}}
     res.update(machine=platform.processor() or platform.machine(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
                torch=torch.__version__, tokens=a.tokens)
+    if a.llama and len(a.shapes) != 1:
+        ap.error("--llama names the GGUF of one shape: give one --shapes")
     for name in a.shapes:
         d, layers = SHAPES[name]
         shape = res["shapes"].setdefault(name, {})
         shape.update(d_model=d, d_inner=2 * d, d_state=16, layers=layers)
+        if a.llama:
+            for t, r in llama(a.llama, a.tokens, a.threads, 2).items():
+                shape.setdefault("llama_cpp", {})[t] = {**r, "command": command()}
+            write_json(out, res)
         for part in a.parts:
             figures = (layer(name, a.tokens, a.threads, a.reps, a.profile) if part == "layer" else
                        whole(name, a.tokens, a.threads, min(a.reps, 3)))

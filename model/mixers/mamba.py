@@ -72,8 +72,7 @@ class Mamba(nn.Module):
     def forward(self, u, state=None, pos=None):
         x, z = self.in_proj(u).chunk(2, dim=-1)  # (b, l, e)
         x, tail = causal_conv(x.float(), None if state is None else state["conv"], *self._conv())  # (b, l, e)
-        # dense once here: conv1d leaves x channel-major, and x_proj and the scan kernel each read it by rows
-        x = F.silu(x).contiguous()
+        x = F.silu(x)
         delta, B, C = self._ssm_inputs(x)  # delta (b, l, e), B, C (b, l, n)
         y, h = selective_scan(x, delta, -torch.exp(self.A_log), B, C, self.D,
                               None if state is None else state["h"], state is not None)  # y (b, l, e), h (b, e, n)
