@@ -67,11 +67,11 @@ def serve(
     compile: Annotated[Optional[str], typer.Option(
         help=f"auto | on | off: compiled decode step, warmed in the background {_default('compile')}")] = None,
     gemm: Annotated[Optional[str], typer.Option(
-        help=f"own | inductor | onednn: the compiled step's matmuls; own (AVX-512, inductor's where the CPU "
-             f"lacks it) is as fast as inductor's template for one stream and ~2x faster for 64; onednn ~2x "
-             f"faster than inductor's from 16, ~2x slower for one (model/gemm.py) {_default('gemm')}")] = None,
+        help=f"own | inductor | onednn: the compiled step's matmuls: our kernel (AVX-512 or AVX2; inductor's "
+             f"where the CPU has neither), inductor's GEMM template, or oneDNN's matmul (model/compiled/gemm.py; "
+             f"timed in docs/benchmarks.md) {_default('gemm')}")] = None,
     step_runtime: Annotated[Optional[str], typer.Option(
-        help=f"aoti | dynamo: the compiled step built ahead of time into a library (model/aot.py), or "
+        help=f"aoti | dynamo: the compiled step built ahead of time into a library (model/compiled/aot.py), or "
              f"torch.compile's function {_default('step_runtime')}")] = None,
     prefix_cache_bytes: Annotated[Optional[int], typer.Option(
         help=f"bytes of OpenAI requests' prefix states kept, so a re-sent conversation prefills only its new part "

@@ -89,7 +89,7 @@ class State:
     def copy_rows(self, rows: list[int], with_growing: bool = True) -> "State":
         """A gathered copy of some rows. Without the growing (KV) tensors it is a cheap rollback
         point: entries past a row's position are never read, so restoring the rest undoes a step."""
-        if rows and rows == list(range(rows[0], rows[0] + len(rows))):  # a step's usual rows: 1.1-1.5x quicker
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):  # a step's usual rows: a slice, no index gather
             run = slice(rows[0], rows[0] + len(rows))
             pick = lambda t: t[run].clone()  # noqa: E731
         else:

@@ -25,7 +25,7 @@ def main():
     ap.add_argument("--hangup", type=float, default=0.3, help="chance that a client hangs up during a stream")
     ap.add_argument("--model", default="linear")
     ap.add_argument("--grace", type=int, default=10, help="seconds streams may run on after SIGTERM")
-    ap.add_argument("--out", default=None, help="JSON (default benchmarks/results/robustness/faults_SIGNAL.json)")
+    ap.add_argument("--out", default=None, help="JSON (default benchmarks/results/robustness/faults_{term,kill}.json)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         env = {"LINSTREAM_STORE": f"disk:{d}/store", "LINSTREAM_GRACEFUL_SHUTDOWN_S": str(a.grace)}

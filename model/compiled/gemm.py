@@ -25,7 +25,7 @@ rows).
 
 All three keep a row's bits independent of the batch it is in (every row through the same kernel
 and order of additions; oneDNN's from 2 rows up, and the compiled step pads smaller batches to 4;
-tests/model/test_compiled.py, tests/model/test_kernels.py), so a server's text does not depend
+tests/model/compiled/test_stepper.py, tests/model/test_kernels.py), so a server's text does not depend
 on its load under any. The choice is per server, not per step: switching kernels with the batch
 size would change a row's low bits with the load.
 """

@@ -20,7 +20,7 @@ kernel and not another: bfloat16 weights through inductor's GEMM template barely
 compiled step at one row, where this kernel shortens it clearly, with held-out bits per byte as
 float32's (its --bpb); with float32 inputs the same kernel is far slower than float32.
 The kernel treats every row alone with the same order of additions, so the compiled step stays
-bit-identical per row across batch sizes (tests/model/test_lowp.py).
+bit-identical per row across batch sizes (tests/model/compiled/test_lowp.py).
 "bfloat16" holds each projection's weights in bfloat16 (half the bytes of float32), its input
 rounded to bfloat16 and its result float32: inductor's bfloat16 GEMM template in the compiled
 step (row-exact like the float32 one), aten's bfloat16 matmul eagerly. int8 is the quicker of the

@@ -16,7 +16,7 @@ for `gemm="inductor"`, the weights are frozen into the graph (the model's parame
 for grads) and the matmuls run inductor's own C++ GEMM template over them,
 packed once at compile time (freezing + max-autotune, CPP backend only), not MKL: each row goes
 through the same micro-kernel with the same order of additions whatever the batch, so a row's
-logits and state are bit-identical from one row to hundreds (tests/model/test_compiled.py). MKL takes a
+logits and state are bit-identical from one row to hundreds (tests/model/compiled/test_stepper.py). MKL takes a
 GEMV path below 4 rows, with other low bits, and repacks the weights on every call. At one row the
 packed kernel streams the weights about as fast as that GEMV (the compiled step well ahead of the
 eager one); at large batches it is slower than MKL's GEMM (`python -m benchmarks.model.decode

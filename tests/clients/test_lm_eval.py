@@ -24,10 +24,10 @@ def test_lm_eval_bits_per_byte_equals_the_echo_api(tmp_path, monkeypatch):
     try:
         out = lm_eval.simple_evaluate(
             model="local-completions", tasks=["local_text"],
-            task_manager=TaskManager(include_path=str(ROOT / "benchmarks/lm_eval")),
+            task_manager=TaskManager(include_path=str(ROOT / "benchmarks/peers/lm_eval_task")),
             model_args=f"model=linear,base_url={srv.url}/v1/completions,tokenizer={ckpt},max_length=4096")
         bpb = out["results"]["local_text"]["bits_per_byte,none"]
-        text = (ROOT / "benchmarks/lm_eval/sample.txt").read_text()
+        text = (ROOT / "benchmarks/peers/lm_eval_task/sample.txt").read_text()
         tok = AutoTokenizer.from_pretrained(str(ckpt))
         ids = httpx.post(srv.url + "/tokenize", json={"prompt": text}).json()["tokens"]
         assert tok.encode(text) == ids and tok.decode([tok.bos_token_id]) == "\n"  # the document boundary

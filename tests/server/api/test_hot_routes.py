@@ -1,4 +1,4 @@
-"""The hot routes (server/hot.py): create, push and generate served as plain ASGI answer exactly
+"""The hot routes (server/api/hot_routes.py): create, push and generate served as plain ASGI answer exactly
 as FastAPI's routes do, and hand FastAPI every body they do not take as FastAPI would."""
 import httpx
 import pytest

@@ -86,7 +86,7 @@ def test_choices_run_side_by_side_each_as_it_runs_alone(client, server):
     and each gives exactly the tokens it gives alone: choice k draws from its own seed, and a
     row's tokens do not depend on its batch. The server holds 8 slots and one request's choices
     take at most a quarter of them, so n = 6 runs 2 at once and the others as those end."""
-    MAX_SEED, SEED_STRIDE = 2 ** 63, 0x9E3779B97F4A7C15  # server/schemas.py, server/schemas_openai.py
+    MAX_SEED, SEED_STRIDE = 2 ** 63, 0x9E3779B97F4A7C15  # server/api/schemas.py, server/api/openai_schemas.py
     kw = dict(model="linear", prompt="ROMEO:", max_tokens=24, temperature=1.0)
     alone = [client.completions.create(seed=(7 + k * SEED_STRIDE) % MAX_SEED, **kw).choices[0].text for k in range(6)]
     assert len(set(alone)) > 1

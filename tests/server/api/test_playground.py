@@ -1,4 +1,4 @@
-"""The playground page (`/`, server/static/), driven in headless Chromium against a real
+"""The playground page (`/`, server/api/static/), driven in headless Chromium against a real
 `linstream serve`: whatever the page shows of a session must be what the API says it holds.
 
 Uses the system browser and driver (Debian's `chromium`, `chromium-driver`; .ci/run installs

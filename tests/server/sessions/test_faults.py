@@ -194,7 +194,7 @@ def test_disk_full_mid_stream_loses_nothing_acknowledged(tmp_path):
 @pytest.mark.parametrize("sig", [pytest.param("term", marks=pytest.mark.matrix), "kill"])  # (a drain: test_sigterm_*)
 def test_faults_under_load_lose_nothing_acknowledged(tmp_path, sig):
     """Sixteen sessions streaming with random hang-ups, then the server stopped under all of them
-    (benchmarks/faults.py runs the same at 256 sessions with the shipped model)."""
+    (benchmarks/robustness/faults.py runs the same at 256 sessions with the shipped model)."""
     import asyncio
 
     from harness.chaos import failures, run

@@ -1,0 +1,115 @@
+"""Every repository path that the docs, the Dockerfile, pyproject.toml and the code's docstrings and
+comments name exists, so a moved or deleted file cannot leave a reader on a dead trail.
+
+What counts as a path (the rule):
+- a file path: a token that begins with one of the top-level folders (ROOTS) followed by `/`, runs
+  over letters, digits, `_ . / -`, and ends in one of EXTENSIONS, e.g. `model/ops/naive.py`;
+- a folder path: the same, ending in `/`, e.g. `server/engine/`;
+- a dotted module: `linstream.`, `benchmarks.`, `harness.` or `tests.` followed by names, e.g.
+  `benchmarks.serving.cold_start` or `linstream.model.lm.LM.step`. Its names are followed as
+  folders and modules while they lead to one; a name after a module is an attribute (not checked),
+  a name after a package must be a module of it or appear in its `__init__.py`.
+The folders of the installed package are mapped as pyproject.toml's package-dir maps them:
+`linstream.model` (and `linstream/model/`) is the folder `model/`, `linstream.server` is `server/`,
+`linstream.clients` is `clients/`.
+Not paths: tokens with a pattern or a placeholder in them (`*`, `{`, `<`, `$`, `...`), a token glued
+to a word before it (`foo/model/x.py`, a URL), and files a run writes (OUTPUTS: benchmarks/results/
+holds what the benchmarks print and plot; a named result that is not committed is reported like any
+other path, so the docs quote only results that are there).
+
+Where it looks (SOURCES): docs/*.md, README.md, Dockerfile, pyproject.toml (all of it: its paths
+stand in comments), and the docstrings and comments of the *.py files under the code's folders.
+"""
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROOTS = ("server", "model", "clients", "linstream", "tests", "docs", "benchmarks", "harness", "deploy")
+EXTENSIONS = ("py", "md", "json", "cpp", "yaml", "yml", "cfg", "toml", "sh", "txt", "png", "csv", "js", "html", "css")
+CODE_DIRS = ("server", "model", "clients", "linstream", "harness", "benchmarks", "tests")
+PACKAGE_DIR = {"linstream/model": "model", "linstream/server": "server", "linstream/clients": "clients"}
+OUTPUTS = ()  # folders whose files a run makes; none at present (benchmarks/results/ is committed)
+
+FILE_OR_DIR = re.compile(
+    r"(?<![\w./-])((?:%s)/[\w./-]*?(?:\.(?:%s)\b|/))(?![\w*{<$])" % ("|".join(ROOTS), "|".join(EXTENSIONS)))
+DOTTED = re.compile(r"(?<![\w./-])((?:linstream|benchmarks|harness|tests)(?:\.[A-Za-z_]\w*)+)")
+PLACEHOLDER = re.compile(r"[*{}<>$]|\.\.\.")
+
+
+def sources() -> list[Path]:
+    files = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md", ROOT / "Dockerfile", ROOT / "pyproject.toml"]
+    for d in CODE_DIRS:
+        files += sorted(p for p in (ROOT / d).rglob("*.py") if "results" not in p.relative_to(ROOT).parts)
+    return files
+
+
+def prose(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of what a file says to a reader: a whole doc, or a .py file's docstrings and comments."""
+    text = path.read_text()
+    if path.suffix != ".py":
+        return list(enumerate(text.splitlines(), 1))
+    out = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text)):  # docstrings, help texts, messages: every string literal
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            out += [(node.lineno + i, line) for i, line in enumerate(node.value.splitlines())]
+    return out
+
+
+def mapped(rel: str) -> Path:
+    for installed, folder in PACKAGE_DIR.items():
+        if rel == installed or rel.startswith(installed + "/"):
+            rel = folder + rel[len(installed):]
+    return ROOT / rel
+
+
+def file_exists(token: str) -> bool:
+    token = token.rstrip(".")  # a sentence's full stop after a folder
+    if OUTPUTS and token.startswith(OUTPUTS):
+        return True
+    p = mapped(token)
+    return p.is_dir() if token.endswith("/") else p.exists()
+
+
+def is_module_name(dotted: str) -> bool:
+    """A file name (`benchmarks.md`, `linstream.yaml`) is not a module; nor are the two-name
+    `linstream.<x>` that name loggers (`linstream.engine`) and ASGI scope keys (`linstream.route`)."""
+    names = dotted.split(".")
+    return names[-1] not in EXTENSIONS and (names[0] != "linstream" or len(names) > 2 or names[1] in ("model", "server", "clients", "cli", "cluster"))
+
+
+def module_exists(dotted: str) -> bool:
+    names = dotted.split(".")
+    rel = names[0]
+    for name in names[1:]:
+        if mapped(f"{rel}/{name}").is_dir():
+            rel = f"{rel}/{name}"
+        elif mapped(f"{rel}/{name}.py").is_file():
+            return True  # the names after a module are its attributes
+        else:  # a name a package's __init__.py defines or hands on
+            init = mapped(f"{rel}/__init__.py")
+            return "/" in rel and init.is_file() and re.search(rf"\b{re.escape(name)}\b", init.read_text()) is not None
+    return True
+
+
+def missing_paths() -> list[str]:
+    found = []
+    for path in sources():
+        for line, text in prose(path):
+            where = f"{path.relative_to(ROOT)}:{line}"
+            for m in FILE_OR_DIR.finditer(text):
+                if not PLACEHOLDER.search(m.group(1)) and not file_exists(m.group(1)):
+                    found.append(f"{where}: {m.group(1)}")
+            for m in DOTTED.finditer(text):
+                if is_module_name(m.group(1)) and not module_exists(m.group(1)):
+                    found.append(f"{where}: {m.group(1)}")
+    return found
+
+
+def test_named_paths_exist():
+    missing = missing_paths()
+    assert not missing, "paths named in docs, docstrings or comments that do not exist:\n" + "\n".join(missing)
