@@ -23,6 +23,7 @@ A JSON schema's objects that list their properties take no others unless the sch
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Literal
@@ -44,6 +45,13 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 STEP_LEXER_FUEL = 100_000
 STEP_MAX_ITEMS = 20_000
 CACHED = 64  # compiled grammars kept per tokenizer (a prototype each, copied per generation)
+# Grammars the library compiles but cannot run: its lexer builds a regex's derivatives lazily and
+# gives up on the first token past its expression limit (`a{99999999}`, `(.{0,100}){0,100}`), and
+# a rule with no way to end (`a: "x" a`) runs out of parser items. Counted repetitions are bounded
+# before compiling (the counts of nested ones multiplied), and a compiled grammar is walked for a
+# few tokens (each time the longest one it allows) on a copy, so such a grammar is refused up front.
+REPEAT_MAX = 10_000
+PROBE_TOKENS = 4
 # llguidance's byte per token (0: banned, else allowed) -> what is added to that token's logit
 TO_MASK = np.zeros(256, np.float32)
 TO_MASK[0] = -np.inf
@@ -62,10 +70,11 @@ class Matcher:
         self.mask: np.ndarray | None = None  # (V,) float32, 0 or -inf, once refilled
         self.ended = ll.is_stopped()
         self.error: str | None = None
+        self.source = ""  # what the grammar came from (a request's field), named in its errors
 
     def copy(self) -> Matcher:
         m = Matcher(self.ll.deep_copy(), self.vocab)
-        m.mask, m.ended, m.error = self.mask, self.ended, self.error
+        m.mask, m.ended, m.error, m.source = self.mask, self.ended, self.error, self.source
         return m
 
     def refill(self) -> None:
@@ -108,7 +117,9 @@ class Grammars:
         self.tok, self.vocab = tok, vocab_size
         self._ll: llg.LLTokenizer | None = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, str], Matcher] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str], Matcher] = OrderedDict()
+        self._lengths: np.ndarray | None = None  # (V,) each token's length in bytes (the probe's choice)
+        self.compiles = 0  # grammars compiled (not found in the cache)
 
     def tokenizer(self) -> llg.LLTokenizer:
         with self._lock:
@@ -118,10 +129,12 @@ class Grammars:
                                            n_vocab=self.vocab + (0 if eos else 1))
             return self._ll
 
-    def compile(self, kind: Kind, text: str) -> Matcher:
+    def compile(self, kind: Kind, text: str, owner: str = "") -> Matcher:
         """A fresh Matcher for the grammar, its first mask computed. Raises GrammarError naming
-        what the library refuses. Blocking (up to a few hundred ms for a large schema)."""
-        key = (kind, text)
+        what the library refuses, or what it would fail on within its first tokens. Blocking (up
+        to a few hundred ms for a large schema). Compiled grammars are cached per `owner` (an API
+        key), so that how fast a grammar compiles tells nobody whether another key used it."""
+        key = (owner, kind, text)
         with self._lock:
             proto = self._cache.get(key)
             if proto is not None:
@@ -136,11 +149,29 @@ class Grammars:
             proto.refill()
             if proto.error:
                 raise GrammarError(proto.error)
+            self._probe(proto)
             with self._lock:
+                self.compiles += 1
                 self._cache[key] = proto
                 while len(self._cache) > CACHED:
                     self._cache.popitem(last=False)
         return proto.copy()
+
+    def _probe(self, proto: Matcher) -> None:
+        """Walk a copy of a new grammar for PROBE_TOKENS tokens, each the longest it allows next;
+        GrammarError if the library fails on the way (a grammar it compiles but cannot run)."""
+        if self._lengths is None:
+            lengths = [len(b) for b in self.tok.token_bytes[:self.vocab]]
+            self._lengths = np.array(lengths + [0] * (self.vocab - len(lengths)))
+        m = proto.copy()
+        for _ in range(PROBE_TOKENS):
+            allowed = np.flatnonzero(m.mask == 0)
+            if m.ended or not len(allowed):
+                return
+            m.take(int(allowed[self._lengths[allowed].argmax()]))
+            m.refill()
+            if m.error:
+                raise GrammarError(f"the grammar library cannot follow it (it fails within its first tokens): {m.error}")
 
 
 def lark(kind: Kind, text: str) -> str:
@@ -148,16 +179,78 @@ def lark(kind: Kind, text: str) -> str:
     a Lark or GBNF grammar, or a choice (a JSON list of strings)."""
     try:
         if kind == "json_schema":
-            return llg.LLMatcher.grammar_from_json_schema(json.dumps(closed(json.loads(text))), overrides=JSON_OPTIONS)
+            schema = json.loads(text)
+            for pattern in _patterns(schema):
+                _check_repeats(pattern, "a pattern")
+            return llg.LLMatcher.grammar_from_json_schema(json.dumps(closed(schema)), overrides=JSON_OPTIONS)
         if kind == "regex":
+            _check_repeats(text, "the regular expression")
             return llg.LLMatcher.grammar_from_regex(text)
         if kind == "grammar":
+            _check_repeats(text, "the grammar", literals=True)
             return llg.grammar_from("grammar", text)  # Lark, or GBNF (converted to Lark)
         if kind == "choice":
             return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
+    except GrammarError:
+        raise
     except (ValueError, RecursionError) as e:  # not JSON, or nested past Python's recursion limit
         raise GrammarError(f"{type(e).__name__}: {e}") from None
     raise GrammarError(f"unknown constraint kind {kind!r}; one of {KINDS}")
+
+
+COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}|~\s*(\d+)(?:\.\.(\d+))?")  # {m} {m,} {m,n}, Lark's ~ m..n
+
+
+def _check_repeats(text: str, what: str, literals: bool = False) -> None:
+    """GrammarError if a counted repetition in `text` (a regex, or a grammar's rules and regexes)
+    asks for more than REPEAT_MAX, nested counts multiplied. `literals`: skip "quoted" text."""
+    stack = [1]  # per open group: the largest product of counts inside it
+    last, i, n = 1, 0, len(text)  # last: the product inside the atom just read (what a count repeats)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            last, i = 1, i + 2
+        elif c == "[":  # a class: its brackets and braces are characters
+            i += 1 + (i + 1 < n and text[i + 1] == "]")
+            while i < n and text[i] != "]":
+                i += 2 if text[i] == "\\" else 1
+            last, i = 1, i + 1
+        elif c == '"' and literals:
+            i += 1
+            while i < n and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+            last, i = 1, i + 1
+        elif c == "(":
+            stack.append(1)
+            last, i = 1, i + 1
+        elif c == ")" and len(stack) > 1:
+            last = stack.pop()
+            stack[-1] = max(stack[-1], last)
+            i += 1
+        elif (m := COUNT.match(text, i)) is not None:
+            count = max(int(g[:12]) for g in m.groups() if g)  # {m,}: at least m
+            last = last * count
+            if last > REPEAT_MAX:
+                raise GrammarError(f"{what} repeats {m.group(0)!r} {'(nested, counts multiplied) ' if last > count else ''}"
+                                   f"{last} times; this server follows repetitions of at most {REPEAT_MAX}")
+            stack[-1] = max(stack[-1], last)
+            i = m.end()
+        else:
+            last, i = 1, i + 1
+
+
+def _patterns(schema):
+    """Every regular expression in a JSON schema: `pattern`s and `patternProperties`' keys."""
+    if isinstance(schema, list):
+        for s in schema:
+            yield from _patterns(s)
+    elif isinstance(schema, dict):
+        if isinstance(schema.get("pattern"), str):
+            yield schema["pattern"]
+        if isinstance(schema.get("patternProperties"), dict):
+            yield from schema["patternProperties"]
+        for v in schema.values():
+            yield from _patterns(v)
 
 
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

@@ -41,14 +41,16 @@ def _bad(message: str, param: str) -> APIError:
 
 
 def _json_text(v, param: str) -> str:
-    if isinstance(v, str):
-        try:
+    try:
+        if isinstance(v, str):
             v = json.loads(v)
-        except ValueError as e:
-            raise _bad(f"{param}: not JSON: {e}", param) from None
-    if not isinstance(v, (dict, bool)):
-        raise _bad(f"{param}: a JSON schema is an object (or true / false)", param)
-    return json.dumps(v, ensure_ascii=False)
+        if not isinstance(v, (dict, bool)):
+            raise _bad(f"{param}: a JSON schema is an object (or true / false)", param)
+        return json.dumps(v, ensure_ascii=False)
+    except ValueError as e:
+        raise _bad(f"{param}: not JSON: {e}", param) from None
+    except RecursionError:  # nested past Python's recursion limit (a JSON string parses at any depth)
+        raise APIError(400, "invalid_grammar", f"{param}: nested too deep for a JSON schema", param=param) from None
 
 
 def constraint(req: Guided) -> Constraint | None:

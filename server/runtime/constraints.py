@@ -19,6 +19,7 @@ from linstream.model.constrain import GrammarError, Kind, Matcher
 
 from ..core.errors import APIError
 from ..engine.engine import Engine
+from ..engine.jobs import Job
 
 COMPILE_THREADS = 2
 
@@ -46,13 +47,32 @@ class Compiler:
                            f"most {self.max_bytes} bytes (grammar_max_bytes)", param=c.param)
         work = asyncio.get_running_loop().run_in_executor(self.pool, eng.grammars.compile, c.kind, c.text)
         try:
-            return await asyncio.wait_for(work, self.timeout_s)
+            m = await asyncio.wait_for(work, self.timeout_s)
         except TimeoutError:
             raise APIError(400, "grammar_timeout", f"{c.param}: not compiled within {self.timeout_s:g} s "
                            "(grammar_timeout_s); simplify it", param=c.param) from None
         except GrammarError as e:
             raise APIError(400, "invalid_grammar", f"{c.param}: the grammar library (llguidance) refuses it: {e}",
                            param=c.param) from None
+        m.source = c.param
+        return m
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def failure(job: Job) -> dict:
+    """The error a failed generation's `done` event carries. A grammar the library could not follow
+    after all (past the compile's probe) is the request's fault: `invalid_grammar` naming its field,
+    a 400 where the status is still to be sent, so that no client retries it; anything else is
+    `generation_failed`, a 500."""
+    m = job.matcher
+    if m is not None and m.error is not None:
+        return {"type": "invalid_grammar", "param": m.source or None,
+                "message": f"{m.source or 'the grammar'}: the grammar library (llguidance) could not follow it: {m.error}"}
+    return {"type": "generation_failed", "message": job.error}
+
+
+def error_status(error: dict) -> int:
+    """The HTTP status of a failed generation's error (`failure`), where it is still to be sent."""
+    return 400 if error["type"] == "invalid_grammar" else 500

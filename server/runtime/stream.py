@@ -14,6 +14,7 @@ from ..core.errors import StoreUnavailable
 from ..engine.engine import Engine
 from ..engine.jobs import Job
 from ..sessions.session import Session
+from .constraints import failure
 
 
 class Stream:
@@ -87,7 +88,7 @@ async def events(st: Stream) -> AsyncIterator[tuple[str, dict]]:
                         "usage": {"prompt_tokens": start, "completion_tokens": n, "total_tokens": start + n},
                         "timings": job.timings(), "persisted": persisted}
                 if job.finish == "error":
-                    done["error"] = {"type": "generation_failed", "message": job.error}
+                    done["error"] = failure(job)  # invalid_grammar or generation_failed
                 done_taken = True
                 yield "done", done
                 return

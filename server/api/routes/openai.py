@@ -21,7 +21,7 @@ from ...core.auth import Owner
 from ...core.errors import APIError, body
 from ...engine.engine import Engine
 from ...engine.prompts import context_limit, context_phrase
-from ...runtime.constraints import Constraint
+from ...runtime.constraints import Constraint, error_status
 from ...sessions.session import Session
 from ..openai_schemas import MAX_RUNS, Chat, Completion, OpenAISampling, chat_prompt, unsupported
 from ..streaming import DONE_FRAME, Gathered, Stream, data_frame, events, sse_response
@@ -130,7 +130,8 @@ async def _gone(request: Request) -> None:
 def _finish(done: dict) -> str:
     """OpenAI's finish_reason for our done event; a generation that failed is an error object."""
     if "error" in done:
-        raise APIError(500, done["error"]["type"], done["error"]["message"])
+        raise APIError(error_status(done["error"]), done["error"]["type"], done["error"]["message"],
+                       param=done["error"].get("param"))
     return "stop" if done["finish_reason"] in ("stop", "cancelled", "shutdown") else "length"
 
 

@@ -19,6 +19,7 @@ from ...core.auth import Owner
 from ...core.errors import APIError, StoreUnavailable
 from ...engine.prompts import context_phrase
 from ...runtime import responses
+from ...runtime.constraints import error_status
 from ...sessions.responses import new_response_id
 from ...sessions.session import new_id
 from ..openai_schemas import chat_prompt
@@ -96,7 +97,8 @@ async def create(req: CreateResponse, rt: RT, owner: Owner):
     try:
         done = await collect(turn.stream)
         if "error" in done:
-            raise APIError(500, done["error"]["type"], done["error"]["message"])
+            raise APIError(error_status(done["error"]), done["error"]["type"], done["error"]["message"],
+                           param=done["error"].get("param"))
         out = draft.finished(done, done["text"], turn.cached)
         await turn.keep(draft.id, owner, out)
     finally:
