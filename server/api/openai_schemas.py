@@ -24,6 +24,7 @@ MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_MESSAGES = 1024  # per chat request; their text together is bounded by max_prompt_bytes
 MAX_PARTS = 256  # content parts per chat message
 MAX_TOOLS = 128  # tools of a request, tool calls of a message
+CALL_SHAPE = '{"id", "type": "function", "function": {"name", "arguments"}}'  # a tool call in a message
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI's
 SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so choice i's seed differs from every other choice's
 
@@ -144,7 +145,7 @@ def message_text(m: Message, i: int) -> str:
     """A message's content as text: a string, or its text parts joined (other parts refused); an
     assistant's tool calls follow as the JSON they were generated as (api/structured.py)."""
     if m.tool_calls:
-        calls = [_call(c) for c in m.tool_calls]
+        calls = [_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
         text = message_text(m.model_copy(update={"tool_calls": None}), i)
         return (text + "\n" if text else "") + json.dumps(calls, ensure_ascii=False)
     if m.content is None or isinstance(m.content, str):
@@ -156,15 +157,31 @@ def message_text(m: Message, i: int) -> str:
     return "".join(p.text or "" for p in m.content)
 
 
-def _call(c: dict) -> dict:
-    """An assistant message's tool call as the model writes one: {"name", "parameters"}."""
-    f = c.get("function") if isinstance(c.get("function"), dict) else {}
+def _call(c: dict, param: str) -> dict:
+    """An assistant message's tool call, OpenAI's {"id", "type": "function", "function": {"name",
+    "arguments"}}, as the model writes one: {"name", "parameters"}. 400 naming the field missing
+    or of the wrong type."""
+    f = c.get("function")
+    for field, value, kind in (("type", c.get("type", "function"), str), ("function", f, dict)):
+        if not isinstance(value, kind) or (field == "type" and value != "function"):
+            raise _bad_call(f"{param}.{field}", "'function'" if field == "type" else '{"name", "arguments"}', value)
+    for field in ("name", "arguments"):
+        if not isinstance(f.get(field), str):
+            raise _bad_call(f"{param}.function.{field}", "a string", f.get(field))
     args = f.get("arguments")
     try:
         args = json.loads(args) if isinstance(args, str) else args
     except ValueError:
         pass
     return {"name": f.get("name"), "parameters": args}
+
+
+def _bad_call(param: str, wanted: str, got) -> APIError:
+    if got is None:
+        return APIError(400, "invalid_request", f"{param}: missing; a tool call is {CALL_SHAPE}", param=param,
+                        code="missing_required_parameter")
+    return APIError(400, "invalid_request", f"{param}: must be {wanted}, not {str(got)[:40]!r}", param=param,
+                    code="invalid_type")
 
 
 def chat_prompt(messages: list[Message]) -> str:

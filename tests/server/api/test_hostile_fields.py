@@ -1,8 +1,9 @@
-"""Grammars a client can send that the grammar library accepts but cannot run, or cannot even
-parse without Python's recursion giving out, against a real `linstream serve`: each is a 400
-`invalid_grammar` naming its field before any work, never a 5xx; random text in every grammar
-field (hypothesis) never gets a 5xx either. A grammar that fails only later ends its generation
-with `invalid_grammar` (a 400 where the status is still to be sent)."""
+"""Fields a hostile client fills, against a real `linstream serve`. Grammars the grammar library
+accepts but cannot run, or that Python's recursion cannot parse: each is a 400 `invalid_grammar`
+naming its field before any work, never a 5xx; random text in every grammar field (hypothesis)
+never gets a 5xx either; a grammar that fails only later ends its generation with
+`invalid_grammar` (a 400 where the status is still to be sent). A chat history's malformed tool
+call is a 400 naming the field."""
 import json
 from types import SimpleNamespace
 
@@ -85,3 +86,21 @@ def test_random_grammar_fields_never_get_a_5xx(server, field, route, stream):
     assert r.status_code in (200, 400), (body, r.text)
     if stream and r.status_code == 200:
         assert r.text.rstrip().endswith("data: [DONE]") and '"internal_error"' not in r.text, r.text
+
+
+@pytest.mark.parametrize("call,param", [
+    ({"id": "c", "type": "function"}, "messages[1].tool_calls[0].function"),
+    ({"id": "c", "type": "function", "function": {"arguments": "{}"}}, "messages[1].tool_calls[0].function.name"),
+    ({"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"id": "c", "type": "retrieval", "function": {"name": "f", "arguments": "{}"}}, "messages[1].tool_calls[0].type"),
+    ("c", "messages[1].tool_calls[0]"),
+])
+def test_a_malformed_tool_call_in_the_history_is_a_400_naming_the_field(server, call, param):
+    def send(call):
+        msgs = [{"role": "user", "content": "A"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c", "content": "1"}]
+        return httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}, timeout=30)
+    r = send(call)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert send({"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}).status_code == 200
