@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from .mixers import build_mixer
+from .mixers.registry import build_mixer
 
 
 def _per_step(t: Tensor, time_dim: int) -> int:

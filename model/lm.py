@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .mixers import build_mixer
+from .mixers.registry import build_mixer
 from .state import State
 
 

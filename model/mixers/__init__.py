@@ -1,4 +1,4 @@
-"""Mixer registry: a mixer is one file here that registers itself by name.
+"""The token mixers: one file per mixer, looked up by name in registry.py (`build_mixer`).
 
 Every mixer is an `nn.Module` with
   init_state(batch, device, dtype) -> dict[str, Tensor]   its recurrent state, batched on dim 0
@@ -13,32 +13,10 @@ to the residual stream and applies no norm before it.
 `carries = True`: the forms also take `carry=` and return (y, state, carry), a value one block
 hands the next within the same tokens (RWKV-7's first-block values, fla_rwkv7.py); no state.
 `time_dims` names state tensors that grow with the sequence (the KV cache) and the dim they grow on.
+`name` is the mixer's name in configs (`layer_mixers`) and in registry.py's table.
 
 Each file's docstring cites its paper, writes the recurrence out and names its kernels in
 model/ops/ (whose __init__ lists every op, its reference and its test). tests/model/test_mixers.py
 holds every mixer's three forms together (outputs and final state); tests/model/test_fla.py the
 fla_* mixers against fla's own checkpoints.
 """
-from __future__ import annotations
-
-from torch import nn
-
-REGISTRY: dict[str, type[nn.Module]] = {}
-
-
-def register(name: str):
-    def wrap(cls):
-        cls.name = name
-        REGISTRY[name] = cls
-        return cls
-    return wrap
-
-
-def build_mixer(name: str, cfg) -> nn.Module:
-    if name not in REGISTRY:
-        raise ValueError(f"unknown mixer {name!r}; known: {sorted(REGISTRY)}")
-    return REGISTRY[name](cfg)
-
-
-# registration side effect
-from . import fla_deltanet, fla_gla, fla_retnet, fla_rwkv6, fla_rwkv7, gla, linear, mamba, mamba2, performer, retnet, rwkv, rwkv4, softmax  # noqa: E402,F401  # noqa: E402,F401

@@ -23,7 +23,6 @@ from torch import nn
 
 from ..ops.delta_rule import delta_rule_chunked, delta_rule_step
 from ..ops.naive import delta_rule_naive
-from . import register
 from .fla_common import FlaBlock, Norm, ShortConvs
 
 QK_ACTIVATIONS = {"silu": lambda t: t, "relu": F.relu, "elu": lambda t: F.elu(t) + 1, "identity": lambda t: t}
@@ -108,8 +107,8 @@ class DeltaNetAttention(nn.Module):
         return self._out(o, x), self._new(S, tail)
 
 
-@register("fla-deltanet")
 class FlaDeltaNet(FlaBlock):
+    name = "fla-deltanet"
     def __init__(self, cfg):
         super().__init__(cfg)
         self.attn = DeltaNetAttention(cfg)

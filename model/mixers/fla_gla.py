@@ -22,7 +22,6 @@ from torch import nn
 
 from ..ops.gated_attn import gated_attn_chunked, gated_attn_step
 from ..ops.naive import gated_attn_naive
-from . import register
 from .fla_common import FlaBlock, Norm, ShortConvs
 
 GATE_RANK, GATE_NORMALIZER = 16, 16.0  # fla's gate_low_rank_dim and gate_logit_normalizer (not in its config)
@@ -118,8 +117,8 @@ class GLAAttention(nn.Module):
         return self._out(o, x), self._new(S, tail)
 
 
-@register("fla-gla")
 class FlaGLA(FlaBlock):
+    name = "fla-gla"
     def __init__(self, cfg):
         super().__init__(cfg)
         self.attn = GLAAttention(cfg)

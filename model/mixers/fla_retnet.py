@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from . import register
 from .fla_common import FlaBlock
 from .fla_gla import GLAAttention
 
@@ -48,8 +47,8 @@ class RetentionAttention(GLAAttention):
         return rot(q), rot(k)
 
 
-@register("fla-retnet")
 class FlaRetNet(FlaBlock):
+    name = "fla-retnet"
     def __init__(self, cfg):
         super().__init__(cfg)
         self.attn = RetentionAttention(cfg)

@@ -24,7 +24,6 @@ from torch import nn
 from .. import kernels
 from ..ops.gated_attn import gated_attn_chunked, gated_attn_step
 from ..ops.naive import gated_attn_naive
-from . import register
 from .fla_common import token_shift
 
 
@@ -128,8 +127,8 @@ def _norm(d, cfg):
 
 
 
-@register("fla-rwkv6")
 class FlaRWKV6(nn.Module):
+    name = "fla-rwkv6"
     time_dims: dict[str, int] = {}
     owns_norms = True
     first = False
@@ -179,7 +178,7 @@ class FlaRWKV6(nn.Module):
         return self._run(x, state, lambda q, k, v, g, S, u: gated_attn_naive(q, k, v, g, S, bonus=u))
 
 
-@register("fla-rwkv6-in")
 class FlaRWKV6In(FlaRWKV6):
     """The first block when fla's norm_first: it layer-normalises the embeddings first (pre_norm)."""
+    name = "fla-rwkv6-in"
     first = True

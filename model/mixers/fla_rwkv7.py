@@ -30,7 +30,6 @@ from torch import nn
 
 from ..ops.naive import rwkv7_naive
 from ..ops.rwkv7 import rwkv7_chunked, rwkv7_step
-from . import register
 from .fla_common import token_shift
 
 LOG_DECAY_FLOOR = -math.exp(-0.5)  # fla's -0.6065306597126334: the fastest decay, e^-0.607 per token
@@ -104,8 +103,8 @@ class ChannelMix(nn.Module):
 
 
 
-@register("fla-rwkv7")
 class FlaRWKV7(nn.Module):
+    name = "fla-rwkv7"
     time_dims: dict[str, int] = {}
     owns_norms = True
     carries = True  # takes and hands on v_first (see the module docstring)
@@ -152,7 +151,7 @@ class FlaRWKV7(nn.Module):
         return self._run(x, state, carry, rwkv7_naive)
 
 
-@register("fla-rwkv7-in")
 class FlaRWKV7In(FlaRWKV7):
     """The first block: it makes v_first and, with fla's norm_first, layer-normalises the embeddings."""
+    name = "fla-rwkv7-in"
     first = True

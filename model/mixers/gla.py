@@ -23,14 +23,13 @@ from torch import nn
 
 from ..ops.gated_attn import gated_attn_chunked, gated_attn_step
 from ..ops.naive import gated_attn_naive
-from . import register
 from .common import ConvQKV
 
 GATE_RANK, GATE_TAU = 16, 16.0
 
 
-@register("gla")
 class GatedLinearAttention(ConvQKV):
+    name = "gla"
     def __init__(self, cfg):
         super().__init__(cfg)
         self.norm_weight = nn.Parameter(torch.ones(cfg.d_model // self.H))

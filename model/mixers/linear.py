@@ -22,7 +22,6 @@ from torch import Tensor
 
 from ..ops.decayed_attn import linear_attn_chunked, linear_attn_step
 from ..ops.naive import linear_attn_naive
-from . import register
 from .common import ConvQKV
 
 
@@ -37,9 +36,9 @@ def feature_map(x: Tensor) -> Tensor:
     return F.elu(x) + 1
 
 
-@register("linear")
 class LinearAttention(ConvQKV):
     """Also the frame of `performer`, which changes only the feature map and the decays."""
+    name = "linear"
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -30,11 +30,10 @@ from torch import nn
 from ..ops.conv import causal_conv, causal_conv_step
 from ..ops.naive import causal_conv_naive, selective_scan_naive
 from ..ops.selective_scan import selective_scan, selective_scan_step
-from . import register
 
 
-@register("mamba")
 class Mamba(nn.Module):
+    name = "mamba"
     time_dims: dict[str, int] = {}
 
     def __init__(self, cfg):

@@ -26,11 +26,10 @@ from torch import nn
 from ..ops.conv import causal_conv, causal_conv_step
 from ..ops.naive import causal_conv_naive, ssd_naive
 from ..ops.ssd import ssd_chunked, ssd_step
-from . import register
 
 
-@register("mamba2")
 class Mamba2(nn.Module):
+    name = "mamba2"
     time_dims: dict[str, int] = {}
 
     def __init__(self, cfg):

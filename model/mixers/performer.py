@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels
-from . import register
 from .linear import LinearAttention
 
 TAU_MAX = 8.0
@@ -51,8 +50,8 @@ def orthogonal_features(heads: int, m: int, k: int) -> Tensor:
     return out
 
 
-@register("performer")
 class Performer(LinearAttention):
+    name = "performer"
     def __init__(self, cfg):
         super().__init__(cfg)
         K = cfg.d_model // self.H

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from ..ops.decayed_attn import decayed_attn_chunked, decayed_attn_step
 from ..ops.naive import decayed_attn_naive, rope_naive
 from ..ops.rope import rope
-from . import register
 from .common import ConvQKV
 
 
@@ -38,8 +37,8 @@ def row_scale(gamma, positions):
     return torch.sqrt((1 - g) / (1 - g ** (n + 1))).float()
 
 
-@register("retnet")
 class Retention(ConvQKV):
+    name = "retnet"
     def __init__(self, cfg):
         super().__init__(cfg)
         self.base = cfg.rope_base

@@ -32,13 +32,12 @@ from torch import nn
 from .. import kernels
 from ..ops.gated_attn import gated_attn_chunked, gated_attn_step
 from ..ops.naive import gated_attn_naive
-from . import register
 
 MIX_RANK, DECAY_RANK, LOG_DECAY_MIN = 16, 32, -20.0
 
 
-@register("rwkv")
 class RWKV6TimeMix(nn.Module):
+    name = "rwkv"
     time_dims: dict[str, int] = {}
 
     def __init__(self, cfg):

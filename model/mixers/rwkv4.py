@@ -24,7 +24,6 @@ from torch import nn
 
 from ..ops.naive import wkv_naive
 from ..ops.wkv import NO_MAX, wkv_chunked, wkv_step
-from . import register
 
 
 def shift(x, last):
@@ -70,8 +69,8 @@ class TimeMix(nn.Module):
         return torch.exp(self.time_decay.float()), self.time_first.float()
 
 
-@register("rwkv4")
 class RWKV4(nn.Module):
+    name = "rwkv4"
     time_dims: dict[str, int] = {}
     owns_norms = True
 
@@ -119,9 +118,9 @@ class RWKV4(nn.Module):
         return self._run(u, state, wkv_naive)  # (b, l, d)
 
 
-@register("rwkv4-in")
 class RWKV4In(RWKV4):
     """The first block: it also layer-normalizes the embeddings (transformers' blocks.0.pre_ln)."""
+    name = "rwkv4-in"
 
     def __init__(self, cfg):
         super().__init__(cfg)

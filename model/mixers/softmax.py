@@ -21,7 +21,6 @@ from torch import Tensor, nn
 from ..ops.conv import causal_conv, causal_conv_step
 from ..ops.naive import causal_conv_naive, rope_naive
 from ..ops.rope import rope
-from . import register
 
 
 def grow_cache(t: Tensor, need: int) -> Tensor:
@@ -34,8 +33,8 @@ def grow_cache(t: Tensor, need: int) -> Tensor:
     return new
 
 
-@register("softmax")
 class SoftmaxAttention(nn.Module):
+    name = "softmax"
     time_dims: dict[str, int] = {"k": 2, "v": 2}
 
     def __init__(self, cfg):

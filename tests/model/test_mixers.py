@@ -123,3 +123,17 @@ def test_hybrid_state_grows_only_in_its_attention_layer():
     assert nbytes(a.layers[0]) == nbytes(b.layers[0])  # the linear layer: fixed size
     assert nbytes(b.layers[1]) > nbytes(a.layers[1])  # the softmax layer's KV cache grows
     assert a.time_dims == [{}, {"k": 2, "v": 2}]
+
+
+def test_the_registry_holds_every_mixer_class():
+    """A mixer file's classes that name themselves are all in the table, each under its own name."""
+    import importlib
+    import pkgutil
+
+    from linstream.model import mixers
+    from linstream.model.mixers.registry import MIXERS
+
+    named = {cls for info in pkgutil.iter_modules(mixers.__path__)
+             for cls in vars(importlib.import_module(f"{mixers.__name__}.{info.name}")).values()
+             if isinstance(cls, type) and isinstance(vars(cls).get("name"), str)}
+    assert named == set(MIXERS.values()) and all(MIXERS[cls.name] is cls for cls in named)
