@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from linstream.model import WEIGHTS
-from linstream.model.hub import is_repo_id
+from linstream.model.hub import check_name, is_repo_id
 from linstream.model.hub import resolve as resolve_hub
 
 
@@ -176,6 +176,7 @@ class Settings(BaseSettings):
     def checkpoint(self, name: str) -> Path:
         """A directory, else a shipped model's, else `org/name` from the Hugging Face cache
         (model/hub.py: the cache only, never the network; CheckpointError where it is not there)."""
+        check_name(name)  # one no file system or hub takes is refused before any path is tried
         p = Path(name)
         if p.is_dir() or (WEIGHTS / name).is_dir() or not is_repo_id(name):
             return p if p.is_dir() else WEIGHTS / name

@@ -76,3 +76,25 @@ def test_paths_and_shipped_names_are_not_repository_ids(tmp_path, monkeypatch):
     assert Settings().checkpoint("org/name").resolve() == (tmp_path / "org" / "name")  # a directory wins
     assert Settings().checkpoint("linear").name == "linear"
     assert not is_repo_id("../x") and not is_repo_id("/abs/path") and is_repo_id("state-spaces/mamba-1.4b-hf")
+
+
+def test_a_huge_ref_or_a_long_revision_is_refused_in_one_line(cache):
+    """refs/main is read bounded (a 2.5 GB sparse file is not read whole) and must hold a commit
+    id; a revision or a name part past the bounds is refused before the file system sees it."""
+    fill_cache(cache, "fla-test/rwkv7-tiny")
+    ref = cache / "models--fla-test--rwkv7-tiny" / "refs" / "main"
+    with open(ref, "wb") as f:
+        f.truncate(2_500_000_000)  # sparse: takes no disk
+    with pytest.raises(CheckpointError, match="does not hold a commit id") as e:
+        Settings(models=["fla-test/rwkv7-tiny"]).checkpoint("fla-test/rwkv7-tiny")
+    assert len(str(e.value)) < 600
+    for name, why in (("fla-test/rwkv7-tiny@" + "a" * 5000, "revision after '@'"),
+                      ("fla-test/rwkv7-tiny@main\nx", "revision after '@'"),
+                      ("x" * 5000, "a file name has at most 255 bytes"),
+                      ("o" * 200 + "/n@main", "repository id")):
+        with pytest.raises(CheckpointError, match=why) as e:
+            Settings(models=["linear"]).checkpoint(name)
+        assert len(str(e.value)) < 400 and "\n" not in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        check_checkpoints(Settings(models=["fla-test/rwkv7-tiny@" + "a" * 5000]))
+    assert "\n" not in str(e.value.code) and "Traceback" not in str(e.value.code)
