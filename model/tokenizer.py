@@ -13,8 +13,12 @@ import codecs
 from functools import cache
 from pathlib import Path
 
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+
+# special tokens after the BPE's own ids (2048, 2049 in the shipped vocabulary): the end of a turn
+# (a speech; the chat template's eos_token) and of a document (a scene or a play; its bos_token)
+END_OF_TURN, END_OF_TEXT = "<|end|>", "<|endoftext|>"
 
 
 @cache
@@ -91,6 +95,7 @@ def train_tokenizer(text: str, vocab_size: int, out: str | Path) -> Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     hf.train_from_iterator([text[i:i + 100_000] for i in range(0, len(text), 100_000)], trainer)
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (END_OF_TURN, END_OF_TEXT)])
     hf.save(str(out))
     return Tokenizer(out)
 
