@@ -12,45 +12,124 @@ application/json) that orjson parses and the route's schema accepts. Anything el
 body that fails validation, a lone surrogate, NaN) is handed, unread bytes and all, to the
 FastAPI app, so that every error a client can see is exactly FastAPI's. Nothing has happened
 to a session by then: the route runs only after the body is accepted.
+
+A hot route is declared once, as FastAPI's: `HOT` names its function, and its path, body schema
+and parameters are read from FastAPI's route for it (`Hot`). Its dependencies are called as
+FastAPI calls them, with the request; a route that takes anything this file cannot supply (a
+query parameter, a dependency with parameters of its own) is refused when the module loads.
 """
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Callable
 
 import orjson
+from fastapi.routing import APIRoute, APIRouter
+from pydantic import BaseModel
 from starlette.requests import Request
+from starlette.responses import Response
 
 from ..core.errors import EXPECTED, response_for
 from .disconnect import ClientGone, unless_gone
-from .openai_schemas import Chat, Completion
 from .routes import openai, sessions
-from .schemas import CreateSession, Generate, Push
 
 log = logging.getLogger("linstream")
 
-PREFIX = "/v1/sessions"
+# the routes served here, by their functions; everything else about them is FastAPI's declaration
+HOT = (sessions.create, sessions.push, sessions.generate, openai.completions, openai.chat)
+ROUTERS = (sessions.router, openai.router)
 
 
-# a path -> (its body's schema, its route as called here: (runtime, owner, body, session id,
-# request) -> a coroutine); VERBS: the same for /v1/sessions/{id}/<verb>
-PATHS = {PREFIX: (CreateSession, lambda rt, owner, req, sid, request:
-                  sessions.create(req, rt, owner, request.headers.get("x-session-affinity"))),
-         "/v1/completions": (Completion, lambda rt, owner, req, sid, request: openai.completions(req, rt, owner, request)),
-         "/v1/chat/completions": (Chat, lambda rt, owner, req, sid, request: openai.chat(req, rt, owner, request))}
-VERBS = {"push": (Push, lambda rt, owner, req, sid, request: sessions.push(sid, owner, req, rt)),
-         "generate": (Generate, lambda rt, owner, req, sid, request: sessions.generate(sid, owner, req, rt))}
+class Hot:
+    """A hot route as FastAPI declares it: `template` its path (what metrics label it with),
+    `schema` its body's model, and where each of its function's parameters comes from."""
+
+    def __init__(self, route: APIRoute):
+        d, where = route.dependant, f"{route.path}: a hot route"
+        if d.query_params or d.cookie_params or len(d.body_params) != 1 or any(
+                getattr(d, n) for n in ("websocket_param_name", "http_connection_param_name", "response_param_name",
+                                        "background_tasks_param_name", "security_scopes_param_name")):
+            raise TypeError(f"{where} takes one JSON body, path parameters, headers, the Request and dependencies")
+        body = d.body_params[0]
+        self.schema = body.field_info.annotation
+        if getattr(body.field_info, "embed", False) or not (isinstance(self.schema, type) and issubclass(self.schema, BaseModel)):
+            raise TypeError(f"{where}'s body is one pydantic model, not embedded")
+        if any(p.field_info.annotation is not str for p in d.path_params) or ":" in route.path:
+            raise TypeError(f"{where}'s path parameters are plain strings")
+        if any(h.field_info.is_required() for h in d.header_params):
+            raise TypeError(f"{where}'s headers are optional (a missing one is FastAPI's 422)")
+        for dep in d.dependencies:
+            if not inspect.iscoroutinefunction(dep.call) or dep.dependencies or dep.path_params or dep.query_params \
+                    or dep.header_params or dep.cookie_params or dep.body_params:
+                raise TypeError(f"{where}'s dependencies are async functions of the request alone ({dep.call})")
+        self.template, self.endpoint = route.path, route.endpoint
+        self.body, self.request = body.name, d.request_param_name
+        self.path_param = d.path_params[0].name if d.path_params else None
+        # (parameter name, the raw header's name, its default), in the function's order
+        self.headers = [(h.name, h.alias.lower().encode("latin-1"), h.field_info.default) for h in d.header_params]
+        # (parameter name or None for a router's own, its function), in the order FastAPI solves them
+        self.dependencies: list[tuple[str | None, Callable]] = [(dep.name, dep.call) for dep in d.dependencies]
+
+    async def __call__(self, req: BaseModel, value: str | None, scope, receive) -> Response:
+        """The route's function called as FastAPI calls it, on a body already validated and the
+        path parameter's `value`."""
+        request = Request(scope, receive)
+        kw = {self.body: req}
+        for name, dep in self.dependencies:
+            got = await dep(request)
+            if name is not None:
+                kw[name] = got
+        if self.path_param is not None:
+            kw[self.path_param] = value
+        if self.request is not None:
+            kw[self.request] = request
+        for name, raw, default in self.headers:
+            got = _header(scope["headers"], raw)
+            kw[name] = default if got is None else got
+        response = await self.endpoint(**kw)
+        if not isinstance(response, Response):  # FastAPI would encode it after its response_model
+            raise TypeError(f"{self.template}: a hot route returns a Response, not {type(response).__name__}")
+        return response
 
 
-def match(path: str):
-    """-> (schema, route, session id or None, the route's template) for a hot route's path, or None."""
-    hit = PATHS.get(path)
-    if hit is not None:
-        return (*hit, None, path)
-    if not path.startswith(PREFIX + "/"):
-        return None
-    sid, _, verb = path[len(PREFIX) + 1:].partition("/")
-    hit = VERBS.get(verb) if sid else None
-    return (*hit, sid, f"{PREFIX}/{{sid}}/{verb}") if hit else None
+def _table(routers: tuple[APIRouter, ...], endpoints: tuple) -> tuple[dict, dict]:
+    """-> (exact path -> Hot, {the path before its one parameter: {what follows it -> Hot}}), from
+    the routers' POST routes whose functions are `endpoints`."""
+    exact, params, found = {}, {}, set()
+    for router in routers:
+        for r in router.routes:
+            if isinstance(r, APIRoute) and r.endpoint in endpoints and "POST" in r.methods:
+                hot, (head, brace, rest) = Hot(r), r.path.partition("{")
+                tail = rest.partition("}")[2]
+                if not brace:
+                    exact[r.path] = hot
+                elif "{" in tail:
+                    raise TypeError(f"{r.path}: a hot route has at most one path parameter")
+                else:
+                    params.setdefault(head, {})[tail] = hot
+                found.add(r.endpoint)
+    if missing := [e.__name__ for e in endpoints if e not in found]:
+        raise LookupError(f"hot routes with no POST route of their own: {missing}")
+    return exact, params
+
+
+EXACT, PARAMS = _table(ROUTERS, HOT)
+
+
+def match(path: str) -> tuple[Hot, str | None] | None:
+    """-> (the hot route, its path parameter's value or None) for a hot route's path, or None. A
+    parameter is one non-empty path segment, as FastAPI's `{name}` matches."""
+    hot = EXACT.get(path)
+    if hot is not None:
+        return hot, None
+    for head, tails in PARAMS.items():
+        if path.startswith(head):
+            value, slash, rest = path[len(head):].partition("/")
+            hot = tails.get(slash + rest) if value else None
+            if hot is not None:
+                return hot, value
+    return None
 
 
 def _json(headers: list) -> bool:
@@ -71,8 +150,8 @@ class HotRoutes:
         hit = match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if hit is None or not _json(scope["headers"]):
             return await self.app(scope, receive, send)
-        schema, route, sid, template = hit
-        scope["linstream.route"] = template  # what metrics.CountRequests labels it with
+        route, value = hit
+        scope["linstream.route"] = route.template  # what metrics.CountRequests labels it with
         chunks, more = [], True
         try:
             while more:
@@ -85,16 +164,14 @@ class HotRoutes:
             return await response_for(e, scope["path"])(scope, receive, send)
         data = b"".join(chunks)
         try:
-            req = schema.model_validate(orjson.loads(data)) if data else None
+            req = route.schema.model_validate(orjson.loads(data)) if data else None
         except Exception:  # not JSON, not valid, or refused by a validator of the schema's own
             req = None
         if req is None:  # FastAPI's answer, from the same bytes
             return await self.app(scope, _replay(data, receive), send)
-        rt = scope["app"].state.runtime
         try:
-            owner = rt.keys.owner(_header(scope["headers"], b"authorization"))
             # the body is read: a client that leaves from now on stops the work (disconnect.py)
-            response = await unless_gone(route(rt, owner, req, sid, Request(scope, receive)), receive)
+            response = await unless_gone(route(req, value, scope, receive), receive)
         except ClientGone:
             return
         except Exception as e:

@@ -1,11 +1,13 @@
-"""The hot routes (server/api/hot_routes.py): create, push and generate served as plain ASGI answer exactly
-as FastAPI's routes do, and hand FastAPI every body they do not take as FastAPI would."""
+"""The hot routes (server/api/hot_routes.py): create, push, generate and the OpenAI completions
+served as plain ASGI answer exactly as FastAPI's routes do, and hand FastAPI every body they do
+not take as FastAPI would; their table is read from FastAPI's own routes."""
 import httpx
 import pytest
 import pytest_asyncio
+from fastapi import APIRouter, Depends, Query
 from linstream.server.api import hot_routes as hot
 from linstream.server.api.openai_schemas import Chat, Completion
-from linstream.server.api.schemas import CreateSession
+from linstream.server.api.schemas import CreateSession, Push
 from linstream.server.app import create_app
 from linstream.server.core.settings import Settings
 
@@ -32,24 +34,59 @@ async def client(tmp_path_factory):
 def served_hot(monkeypatch):
     """The names of the requests the hot routes serve themselves, in order."""
     seen = []
-    for table in (hot.PATHS, hot.VERBS):
-        for key, (schema, route) in list(table.items()):
-            async def spy(*a, route=route, name=key):
-                seen.append(name)
-                return await route(*a)
-            monkeypatch.setitem(table, key, (schema, spy))
+    for route in [*hot.EXACT.values(), *(r for tails in hot.PARAMS.values() for r in tails.values())]:
+        async def spy(*a, endpoint=route.endpoint, name=route.template.rpartition("}/")[2] or route.template, **kw):
+            seen.append(name)  # the path, or the verb after a session's id
+            return await endpoint(*a, **kw)
+        monkeypatch.setattr(route, "endpoint", spy)
     return seen
 
 
 def test_paths_matched():
-    assert hot.match("/v1/sessions")[2] is None and hot.match("/v1/sessions")[0] is CreateSession
-    assert hot.match("/v1/completions")[0] is Completion and hot.match("/v1/chat/completions")[0] is Chat
-    assert hot.match("/v1/sessions/s-1/push")[2] == "s-1"
-    assert hot.match("/v1/sessions/s-1/generate")[2] == "s-1"
+    assert hot.match("/v1/sessions")[1] is None and hot.match("/v1/sessions")[0].schema is CreateSession
+    assert hot.match("/v1/completions")[0].schema is Completion and hot.match("/v1/chat/completions")[0].schema is Chat
+    assert hot.match("/v1/sessions/s-1/push")[1] == "s-1" and hot.match("/v1/sessions/s-1/push")[0].schema is Push
+    assert hot.match("/v1/sessions/s-1/generate")[1] == "s-1"
+    assert hot.match("/v1/sessions/s-1/generate")[0].template == "/v1/sessions/{sid}/generate"
     for path in ("/v1/sessions/", "/v1/sessionsx", "/v1/sessions/s-1", "/v1/sessions/s-1/push/",
                  "/v1/sessions//push", "/v1/sessions/a/b/push", "/v1/sessions/restore", "/v1/sessions/s-1/fork",
                  "/v1/completions/", "/v1/models"):
         assert hot.match(path) is None, path
+
+
+def test_the_table_is_fastapis():
+    """Every hot route is a POST route the app documents at the same path, and no POST route of
+    the app is shadowed by a hot one of another path."""
+    paths = create_app(Settings(store="memory")).openapi()["paths"]
+    posts = {path: ops["post"]["operationId"] for path, ops in paths.items() if "post" in ops}
+    hot_routes = [*hot.EXACT.values(), *(r for tails in hot.PARAMS.values() for r in tails.values())]
+    assert {r.endpoint for r in hot_routes} == set(hot.HOT)
+    for r in hot_routes:  # FastAPI's operation ids begin with the function's name
+        assert posts[r.template].startswith(r.endpoint.__name__ + "_"), r.template
+    for path in posts:
+        hit = hot.match(path.replace("{sid}", "s-1"))
+        assert hit is None or hit[0].template == path, path
+
+
+def test_a_route_the_fast_path_cannot_call_is_refused():
+    router = APIRouter()
+
+    @router.post("/q")
+    async def with_query(req: Push, limit: int = Query(1)):
+        pass
+
+    async def needs_more(x: int):
+        return x
+
+    @router.post("/d")
+    async def with_dependency(req: Push, got: int = Depends(needs_more)):
+        pass
+
+    for endpoint in (with_query, with_dependency):
+        with pytest.raises(TypeError):
+            hot._table((router,), (endpoint,))
+    with pytest.raises(LookupError):
+        hot._table((router,), (test_paths_matched,))
 
 
 async def both(c, path: str, body: bytes, headers=AUTH):
