@@ -179,18 +179,29 @@ class _Requests:
                               headers={"content-type": "application/octet-stream"})
         return self._call("POST", "/v1/sessions/restore", _json, json={"snapshot_id": snapshot_id})
 
-    def fork(self, sid: str) -> dict:
-        return self._call("POST", f"/v1/sessions/{sid}/fork", _json)
+    def fork(self, sid: str, position: int | None = None) -> dict:
+        """A copy of the session, or of its history's first `position` tokens and the state there."""
+        body = {"position": position} if position is not None else None
+        return self._call("POST", f"/v1/sessions/{sid}/fork", _json, json=body)
+
+    def rewind(self, sid: str, position: int) -> dict:
+        """Put the session back at `position` of its history (the tokens after it are dropped)."""
+        return self._call("POST", f"/v1/sessions/{sid}/rewind", _json, json={"position": position})
 
     def delete(self, sid: str) -> None:
         return self._call("DELETE", f"/v1/sessions/{sid}", _nothing)
 
-    # OpenAI-compatible and system
+    # OpenAI-compatible and system. `return_state=True` (or "blob") asks for the state after the
+    # answer (the answer's "state"); `state=` goes on from one: a returned state object (its blob
+    # where it has one, else its snapshot id), a snapshot id, or {"blob": ...}
     def completions(self, **body) -> dict:
-        return self._call("POST", "/v1/completions", _json, json=body)
+        return self._call("POST", "/v1/completions", _json, json=_with_state(body))
 
     def chat(self, **body) -> dict:
-        return self._call("POST", "/v1/chat/completions", _json, json=body)
+        return self._call("POST", "/v1/chat/completions", _json, json=_with_state(body))
+
+    def responses(self, **body) -> dict:
+        return self._call("POST", "/v1/responses", _json, json=_with_state(body))
 
     def models(self) -> list[dict]:
         return self._call("GET", "/v1/models", _data)
@@ -211,6 +222,18 @@ class _Requests:
 
     def metrics(self) -> str:
         return self._call("GET", "/metrics", lambda r: r.text)
+
+
+def state_field(state: str | dict) -> str | dict:
+    """A request's `state` field for a state object an answer returned (or a snapshot id): its blob
+    where it carries one (any replica can continue from it), else its snapshot id."""
+    if isinstance(state, dict) and "blob" in state:
+        return {"blob": state["blob"]}
+    return state["snapshot_id"] if isinstance(state, dict) else state
+
+
+def _with_state(body: dict) -> dict:
+    return {**body, "state": state_field(body["state"])} if body.get("state") is not None else body
 
 
 def _stream_body(max_tokens, temperature, top_p, top_k, seed, stop, logprobs) -> dict:

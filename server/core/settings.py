@@ -61,7 +61,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = 16 << 20  # state blobs (application/octet-stream); raised to fit max_history_tokens
     # JSON bodies, parsed whole on the event loop; 0 = room for a prompt of max_prompt_bytes with
     # every byte escaped to 3 (any text but control characters written \u00XX) or for
-    # max_prompt_tokens ids of up to 10 digits ("2147483647, "), whichever is more, plus 64 KiB for other fields
+    # max_prompt_tokens ids of up to 10 digits ("2147483647, "), whichever is more, plus 64 KiB for other fields,
+    # plus a state blob of state_blob_bytes in base64
     max_json_bytes: int = 0
     prefill_chunk: int = 512  # prefill tokens per slice when no generation is running
     # while generations run, a prefill slice is sized (by measured costs) to take about this
@@ -134,6 +135,15 @@ class Settings(BaseSettings):
     prefix_tier_url: str = ""
     session_ttl: float = 0.0  # seconds idle before a session expires (0 = never)
     snapshot_ttl: float = 0.0  # seconds a snapshot is kept (0 = until deleted with the store)
+    # state in the client's hands (docs/api.md#client-held-state): a state returned by an OpenAI
+    # route is kept as a snapshot this many seconds (0 = as snapshot_ttl), and a state blob returned
+    # or sent there is at most state_blob_bytes (400 naming the limit past it)
+    state_ttl: float = Field(3600.0, ge=0)
+    state_blob_bytes: int = Field(4 << 20, gt=0)
+    # rewind: a session keeps a copy of its state every checkpoint_every tokens (0 = none), at most
+    # checkpoint_bytes of them per session (the oldest go first), in memory and in the store
+    checkpoint_every: int = Field(256, ge=0)
+    checkpoint_bytes: int = Field(8 << 20, ge=0)
     api_keys: list[str] = Field(default_factory=list)  # when set, every route but /healthz needs one
     api_key_file: Path | None = None  # one key per line; '#' starts a comment
     metrics_public: bool = False  # serve /metrics without a key
@@ -169,8 +179,9 @@ class Settings(BaseSettings):
         if not self.max_prompt_bytes:
             self.max_prompt_bytes = 16 * self.max_prompt_tokens
         if not self.max_json_bytes:
-            self.max_json_bytes = min(self.max_body_bytes,
-                                      max(3 * self.max_prompt_bytes, 12 * self.max_prompt_tokens) + (64 << 10))
+            self.max_json_bytes = min(self.max_body_bytes,  # and a state blob in base64 (`state`)
+                                      max(3 * self.max_prompt_bytes, 12 * self.max_prompt_tokens) + (64 << 10)
+                                      + 4 * self.state_blob_bytes // 3)
         return self
 
     def checkpoint(self, name: str) -> Path:

@@ -75,7 +75,7 @@ from linstream.model.state import State
 from linstream.model.tokenizer import Tokenizer
 
 from ..core.errors import APIError
-from .jobs import Job, NonFiniteState, Prefill, PrefillCancelled, logprob_entries, run_all, settle
+from .jobs import Checkpointing, Job, NonFiniteState, Prefill, PrefillCancelled, logprob_entries, run_all, settle
 from .plan import RowViews, ema, holes_cheap, share_rows, slice_len
 from .rollback import Rollback
 
@@ -174,12 +174,12 @@ class Engine:
             self.cv.notify()
 
     async def prefill(self, slot: int, tokens: list[int], logprobs: int | None = None, read: bool = False,
-                      owner: str = "") -> Prefill:
+                      owner: str = "", checkpoints: Checkpointing | None = None) -> Prefill:
         """Consume `tokens` into the slot's row, in slices between decode steps. If the caller is
         cancelled (its client left), the prefill stops at its next slice boundary, its row back
         to where it began, and PrefillCancelled says so (or that it had already been applied)."""
         loop = asyncio.get_running_loop()
-        job = Prefill(slot, tokens, loop.create_future(), loop, logprobs, read=read, owner=owner)
+        job = Prefill(slot, tokens, loop.create_future(), loop, logprobs, read=read, owner=owner, checkpoints=checkpoints)
         job.future.add_done_callback(_retrieved)
         with self.cv:
             self.prefills.append(job)
@@ -361,8 +361,11 @@ class Engine:
         budgeted = bool(self.jobs and self.prefill_share)  # streams wait on this slice: measure it
         t0 = time.perf_counter()
         try:
-            steps = len(job.tokens) <= STEP_PREFILL and self.stepper.status == "compiled"  # one slice, by steps
-            chunk = job.tokens if steps else job.tokens[job.done:job.done + self.slice_len()]
+            n, every = self.slice_len(), job.checkpoints.every if job.checkpoints is not None else 0
+            if every:  # a slice ends at each multiple of K, where the row is copied (Checkpointing)
+                n = min(n, every - int(self.pool.position[job.slot]) % every)
+            steps = job.done == 0 and len(job.tokens) <= min(n, STEP_PREFILL) and self.stepper.status == "compiled"
+            chunk = job.tokens if steps else job.tokens[job.done:job.done + n]  # (steps: one slice)
             st = self.pool.select([job.slot])
             if job.done == 0 and len(job.tokens) > len(chunk):  # several chunks: keep the row to roll back to
                 job.saved = self.pool.copy_rows([job.slot], with_growing=False)
@@ -380,6 +383,8 @@ class Engine:
                 all_logits = torch.cat([prev[:, None], logits[:, :-1]], 1)[0]  # predicts each chunk token
                 job.results += logprob_entries(all_logits, chunk, job.logprobs, self.tok)
             job.done += len(chunk)
+            if every and int(new.position[0]) % every == 0:
+                job.checkpoints.capture(int(new.position[0]), self.read(job.slot))
             if budgeted and not steps:
                 self.token_s = ema(self.token_s, (time.perf_counter() - t0) / len(chunk))
         except Exception as e:
@@ -523,6 +528,8 @@ class Engine:
                 continue
             j.pending = None
             j.consumed += 1
+            if j.checkpoints is not None and (j.position + j.consumed) % j.checkpoints.every == 0:
+                j.checkpoints.capture(j.position + j.consumed, self.read(j.slot))  # (Checkpointing)
             if j.cancelled:  # possibly cancelled during this very step, after consuming ahead of
                 continue  # delivery: the next iteration rolls that back, then finishes the job
             if j.finish:
@@ -537,6 +544,8 @@ class Engine:
         """A riding push consumed its next token: once it has all of them (or its row went bad),
         it ends as a prefill slice would have."""
         p.done += 1
+        if finite and p.checkpoints is not None and (at := int(self.pool.position[p.slot])) % p.checkpoints.every == 0:
+            p.checkpoints.capture(at, self.read(p.slot))
         err = None
         if not finite:
             err = "the next logits"

@@ -7,7 +7,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -17,6 +17,16 @@ from linstream.model.state import State
 from linstream.model.tokenizer import Tokenizer
 
 log = logging.getLogger("linstream.engine")
+
+
+class Checkpointing(Protocol):
+    """A session's checkpoints (sessions/checkpoints.py) as the engine serves them: at every
+    position that is a multiple of `every` (K > 0) that the row reaches, by a prefill slice (cut
+    there) or a decode step, the engine hands `capture` a copy of the row. Copies past what the
+    session keeps in the end (a token rolled back) are dropped by the session, not here."""
+    every: int
+
+    def capture(self, position: int, state: State) -> None: ...
 
 
 @dataclass
@@ -29,6 +39,8 @@ class Job:
     on_finish: Callable[["Job"], None] | None = None  # runs on the engine thread when the state is final
     matcher: Matcher | None = None  # a grammar the tokens must follow (model/constrain.py)
     state: State | None = None  # the row once final, if on_finish read it (for persisting)
+    checkpoints: Checkpointing | None = None  # copies of the row every K positions
+    position: int = 0  # the row's position when the job starts (with checkpoints)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # set once the state is final
     closing: asyncio.Task | None = None  # the task persisting and releasing the session after it
@@ -75,9 +87,10 @@ class Prefill:
     read: bool = False  # copy the row once prefilled (into `state`), saving the caller a round trip
     state: State | None = None
     saved: State | None = None  # the row before the first of several chunks (rolled back to on failure)
-    alone: bool = False  # never rides in the decode step (set when a step it rode in failed)
-    owner: str = ""  # the key whose request it is: prefills take turns by key (Engine._next_prefill)
+    own_slice: bool = False  # runs as prefill slices only, never as a row of the decode steps (set when a step it was a row of failed)
+    owner: str = ""  # the key whose request it is: prefills take turns by key (plan.next_prefill)
     applied: bool = False  # every token consumed and the row kept (engine thread)
+    checkpoints: Checkpointing | None = None  # copies of the row every K positions
     t0: float = field(default_factory=time.perf_counter)
 
 

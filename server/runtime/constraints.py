@@ -38,14 +38,15 @@ class Compiler:
         self.max_bytes, self.timeout_s = max_bytes, timeout_s
         self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
 
-    async def compile(self, eng: Engine, c: Constraint) -> Matcher:
+    async def compile(self, eng: Engine, c: Constraint, owner: str = "") -> Matcher:
         """The constraint's matcher for `eng`, its first mask computed; 400 naming `c.param` for a
-        grammar too large, refused by the library, or not compiled within the time bound."""
+        grammar too large, refused by the library, or not compiled within the time bound. Compiled
+        grammars are cached per `owner` (API key): a compile's speed tells no key what another sent."""
         size = len(c.text.encode("utf-8", errors="replace"))
         if size > self.max_bytes:
             raise APIError(400, "grammar_too_large", f"{c.param}: {size} bytes; this server compiles grammars of at "
                            f"most {self.max_bytes} bytes (grammar_max_bytes)", param=c.param)
-        work = asyncio.get_running_loop().run_in_executor(self.pool, eng.grammars.compile, c.kind, c.text)
+        work = asyncio.get_running_loop().run_in_executor(self.pool, eng.grammars.compile, c.kind, c.text, owner)
         try:
             m = await asyncio.wait_for(work, self.timeout_s)
         except TimeoutError:

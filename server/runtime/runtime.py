@@ -261,10 +261,11 @@ class Runtime:
         eng = self.engines[s.model]
         return await eng.call(lambda: eng.keep(s.slot)), len(s.tokens)
 
-    async def constrain(self, eng: Engine, c: Constraint | None) -> Matcher | None:
+    async def constrain(self, eng: Engine, c: Constraint | None, owner: str = "") -> Matcher | None:
         """The matcher of a request's constraint for `eng`, compiled off the event loop and the
-        engine thread within the settings' bounds (runtime/constraints.py); None for none."""
-        return None if c is None else await self.grammars.compile(eng, c)
+        engine thread within the settings' bounds, cached per owner (runtime/constraints.py); None
+        for none."""
+        return None if c is None else await self.grammars.compile(eng, c, owner)
 
     def generate(self, s: Session, params: SamplingParams, logprobs: int | None = None,
                  matcher: Matcher | None = None) -> Stream:

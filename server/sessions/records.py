@@ -11,13 +11,15 @@ import asyncio
 import hashlib
 from typing import NamedTuple
 
-from linstream.model.snapshot import SnapshotError, SnapshotHistoryMismatch, check_history, session_from_bytes, state_position
+from linstream.model.snapshot import (SnapshotError, SnapshotHistoryMismatch, check_history, session_from_bytes, state_from_bytes,
+                                      state_position, state_to_bytes)
 from linstream.model.state import State
 
 from ..core.errors import APIError, not_found
 from ..core.metrics import Metrics
 from ..core.settings import Settings
 from ..engine.engine import Engine
+from .checkpoints import Checkpoints, checkpoint_key
 from .leases import Leases
 from .session import INLINE_TAIL, Session, SessionDamaged, Snapshot, decode_record, decode_tokens, encode_record
 from .store import StoreError, StoreUnavailable
@@ -102,7 +104,12 @@ class Records:
                 # the history outlives its record by a minute, so a read never finds a record without it
                 await self.store.write_at(f"hist/{s.id}", 4 * s.stored, data, ttl and ttl + 60)
                 s.mark_stored(n, data)
-            await self.store.put(f"sess/{s.id}", encode_record({**s.meta(), "history": s.history_meta(n)}, blob), ttl)
+            await self._write_checkpoints(s, ttl)
+            meta = {**s.meta(), "history": s.history_meta(n), "checkpoints": s.checkpoints.meta()}
+            await self.store.put(f"sess/{s.id}", encode_record(meta, blob), ttl)
+            for p in s.checkpoints.dropped:  # no record names them any more
+                await self.store.delete(checkpoint_key(s.id, p))
+            s.checkpoints.dropped.clear()
             if self.leases:
                 s.version = await self.leases.bump(s.id)
         except StoreUnavailable:
@@ -112,20 +119,57 @@ class Records:
             raise
         self.clean(s)
 
+    async def _write_checkpoints(self, s: Session, ttl: float | None) -> None:
+        """The session's new checkpoints, each a state blob of its own, before the record that lists
+        them; with a TTL, the older ones' expiry renewed as the history's is."""
+        c, fp = s.checkpoints, self.engines[s.model].model.fingerprint
+        fresh = c.unwritten()
+        for p, st in fresh:
+            blob = await asyncio.to_thread(state_to_bytes, st, fp) if st.row_nbytes() > 1 << 20 else state_to_bytes(st, fp)
+            await self.store.put(checkpoint_key(s.id, p), blob, ttl and ttl + 60)
+        c.written([p for p, _ in fresh])
+        if ttl:
+            for p in set(c.at) - {p for p, _ in fresh}:
+                await self.store.touch(checkpoint_key(s.id, p), ttl + 60)
+
+    def checkpoints(self, meta: dict | None = None) -> Checkpoints:
+        """A session's checkpoints as its record lists them (none for a new session)."""
+        cfg = self.settings
+        return Checkpoints.from_meta((meta or {}).get("checkpoints"), cfg.checkpoint_every, cfg.checkpoint_bytes)
+
+    async def checkpoint(self, s: Session, p: int) -> State | None:
+        """The state of s's checkpoint at position p, from memory or the store; None when it is
+        gone or cannot be trusted (a rewind then starts from an earlier one)."""
+        st = s.checkpoints.at.get(p)
+        if st is not None:
+            return st
+        eng = self.engines[s.model]
+        try:
+            blob = await self.store.get(checkpoint_key(s.id, p))
+            st = None if blob is None else await asyncio.to_thread(state_from_bytes, blob, eng.empty, eng.model.fingerprint)
+        except (StoreError, SnapshotError, ValueError):
+            st = None
+        if st is None or state_position(st) != p:
+            s.checkpoints.at.pop(p, None)
+            return None
+        return st
+
     def clean(self, s: Session) -> None:
         """The session owes the store nothing (written, or never to be)."""
         if s.dirty:
             self.metrics.unpersisted.dec()
         s.dirty = False
 
-    async def forget(self, sid: str) -> None:
+    async def forget(self, sid: str, checkpoints: list[int] = ()) -> None:
         """Delete a session's store values: the record first, so a failure between the two leaves
-        a stray history and never a record without its history."""
+        a stray history and never a record without its history; then its checkpoints."""
         await self.store.delete(f"sess/{sid}")
         await self.store.delete(f"hist/{sid}")
+        for p in checkpoints:
+            await self.store.delete(checkpoint_key(sid, p))
 
-    async def put_snapshot(self, snap: Snapshot, blob: bytes) -> None:
-        await self.store.put(f"snap/{snap.id}", encode_record(snap.meta(), blob), self.settings.snapshot_ttl or None)
+    async def put_snapshot(self, snap: Snapshot, blob: bytes, ttl: float | None = None) -> None:
+        await self.store.put(f"snap/{snap.id}", encode_record(snap.meta(), blob), ttl or self.settings.snapshot_ttl or None)
 
     async def snapshot(self, snapshot_id: str, owner: str) -> tuple[dict, bytes]:
         """A snapshot's (metadata, blob); someone else's is reported exactly like a missing one."""

@@ -75,6 +75,7 @@ class Residency:
             s = Session(sid, meta["model"], None, meta["owner"], created_at=meta["created_at"],
                         last_used_at=meta["last_used_at"], state_bytes=got.state.row_nbytes(), version=version)
             s.adopt_history(got.start, got.tokens, got.stored)
+            s.checkpoints = self.records.checkpoints(meta)
             self.sessions[sid] = s
             if self.leases:  # made or last served by another replica (or before a restart)
                 self.metrics.handovers.labels(s.model).inc()
@@ -138,6 +139,7 @@ class Residency:
             self.sessions.pop(s.id, None)
             raise not_found("session", s.id)
         s.adopt_history(got.start, got.tokens, got.stored)
+        s.checkpoints = self.records.checkpoints(got.meta)
 
     async def release(self, s: Session) -> None:
         s.busy = False
@@ -156,6 +158,7 @@ class Residency:
             self.sessions.pop(s.id, None)
             raise not_found("session", s.id)
         s.adopt_history(got.start, got.tokens, got.stored)  # the record is the truth
+        s.checkpoints = self.records.checkpoints(got.meta)
         if self.leases:
             s.version = await self.leases.version(s.id)
         s.slot = await self._alloc(self.engines[s.model], got.state)
@@ -193,6 +196,7 @@ class Residency:
         """A session, busy, in a slot of its own (from `state`, else empty); `affinity`: the
         routing key its id starts with (session.new_session_id)."""
         s = Session(new_session_id(affinity), eng.name, None, owner, list(tokens), start, busy=True, ephemeral=ephemeral)
+        s.checkpoints = self.records.checkpoints()
         s.slot = await self._alloc(eng, state)
         self.sessions[s.id] = s
         return s
@@ -209,6 +213,7 @@ class Residency:
     async def persist(self, s: Session, state: State | None = None, finite: bool = False) -> None:
         """`write` the session, or with a store that keeps nothing past the process, mark it
         unwritten: its slot is the session, and `_alloc` writes it before giving the slot up."""
+        s.checkpoints.settle(s.position)  # the copies the engine took up to where the session is
         if self.write_back and s.slot is not None and not s.ephemeral:
             if state is not None:  # the one check that costs nothing: the history explains the position
                 if state_position(state) != s.position:
@@ -310,7 +315,7 @@ class Residency:
 
     async def delete(self, s: Session) -> None:
         if not s.ephemeral:  # the store first: a failure leaves the session whole
-            await self.records.forget(s.id)
+            await self.records.forget(s.id, [*s.checkpoints.at, *s.checkpoints.dropped])
         self.records.clean(s)
         await self.drop(s)
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..core.errors import APIError
+from .checkpoints import Checkpoints
 
 MAGIC = b"LSREC1"
 TOKEN = np.dtype("<i4")  # one history token in the store
@@ -71,6 +72,9 @@ class Session:
     writing: "asyncio.Future | None" = field(default=None, repr=False)  # set while that write runs
     stored: int = 0  # tokens[:stored] are in the store's history (hist/<id>)
     stored_sha: "hashlib._Hash" = field(default_factory=hashlib.sha256, repr=False)  # over those tokens' bytes
+    # copies of its state every K tokens, to rewind to (sessions/checkpoints.py); K = 0 until
+    # Residency gives it the settings'
+    checkpoints: Checkpoints = field(default_factory=lambda: Checkpoints(0, 0), repr=False)
 
     @property
     def position(self) -> int:
@@ -89,6 +93,15 @@ class Session:
         """`data` (= unstored(upto)) has reached the store."""
         self.stored_sha.update(data)
         self.stored = upto
+
+    def cut_history(self, position: int) -> None:
+        """Back to `position` (a rewind): the history after it is dropped, and so is the store's
+        part past it (its length and sha256 in the next record say so; hist/<id>'s bytes past it
+        are overwritten by the next write)."""
+        keep = position - self.history_start
+        del self.tokens[keep:]
+        if self.stored > keep:
+            self.adopt_history(self.history_start, self.tokens, keep)
 
     def history_meta(self, upto: int) -> dict:
         """What the record says of the history it covers, tokens[:upto]: the stored prefix, and

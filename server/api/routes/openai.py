@@ -85,7 +85,7 @@ async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | 
     else:
         s, eng = None, rt.engine(req.model)
     params = req.to_params(limit, eng.model.cfg.vocab_size, choice)
-    matcher = await rt.constrain(eng, constraint)
+    matcher = await rt.constrain(eng, constraint, owner)
     ids = await (rt.prompt_tokens(eng, owner, text) if isinstance(text, str) else rt.tokens_of(eng, None, text))
     if not ids and (s is None or s.position == 0):
         raise APIError(400, "empty_prompt", "the prompt is empty: send text or token ids" if s is None else

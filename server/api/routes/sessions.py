@@ -5,12 +5,14 @@ import json
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Request, Response
+from fastapi import APIRouter, Body, Header, Request, Response
 from pydantic import ValidationError
 
 from ...core.auth import Owner
 from ...core.errors import APIError, invalid
+from ...runtime.rewind import fork_at, rewind as rewind_to
 from ..schemas import CreateSession, Generate, Push, Restore
+from ..state_schemas import Fork, Rewind
 from ..streaming import collect, sse, sse_response
 from ..structured import constraint
 from .deps import RT, json_body
@@ -87,7 +89,7 @@ async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
     params = req.to_params(rt.settings.max_new_tokens)
     wanted = constraint(req)  # guided_*: this generation only; the session goes on freely after it
     async with rt.use(sid, owner, release=False) as s:  # released once the final state is persisted
-        matcher = await rt.constrain(rt.engines[s.model], wanted)
+        matcher = await rt.constrain(rt.engines[s.model], wanted, owner)
         # one JSON body: if its client leaves before it is ready, the session goes back to this
         undo = None if req.stream else await rt.mark(s)
         st = rt.generate(s, params, req.logprobs, matcher)
@@ -113,10 +115,17 @@ async def state(sid: str, owner: Owner, rt: RT):
 
 
 @router.post("/{sid}/fork", status_code=201)
-async def fork(sid: str, owner: Owner, rt: RT):
-    async with rt.use(sid, owner) as s:
-        child = await rt.fork(s)
+async def fork(sid: str, owner: Owner, rt: RT, req: Annotated[Fork | None, Body()] = None):
+    async with rt.use(sid, owner) as s:  # at a position: from its nearest checkpoint (runtime/rewind.py)
+        child = await (rt.fork(s) if req is None or req.position is None else fork_at(rt, s, req.position))
     return rt.describe(child)
+
+
+@router.post("/{sid}/rewind")
+async def rewind(sid: str, owner: Owner, req: Rewind, rt: RT):
+    async with rt.use(sid, owner) as s:
+        done = await rewind_to(rt, s, req.position)
+    return json_body({**rt.describe(s), **done})
 
 
 @router.delete("/{sid}", status_code=204)
