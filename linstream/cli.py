@@ -16,7 +16,22 @@ def _default(name: str) -> str:
     from linstream.server.core.settings import Settings
     f = Settings.model_fields[name]
     value = f.default_factory() if f.default_factory else f.default
-    return f"(default {', '.join(value) if isinstance(value, list) else value}; env LINSTREAM_{name.upper()})"
+    if isinstance(value, list):  # the environment takes a list comma-separated or as JSON
+        return f"(default {', '.join(value) or 'none'}; env LINSTREAM_{name.upper()}, comma-separated or a JSON list)"
+    return f"(default {value}; env LINSTREAM_{name.upper()})"
+
+
+def _version(asked: bool):
+    if asked:
+        from linstream.server.core.build import version_line
+        typer.echo(version_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def _top(version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="print the version (and torch's, and the kernel kind) and exit")] = False):
+    """linstream: serve recurrent language models over HTTP with explicit sessions, and talk to a server."""
 
 
 def _shipped() -> str:
@@ -56,7 +71,8 @@ def serve(
     session_ttl: Annotated[Optional[float], typer.Option(
         help=f"seconds idle before a session expires, 0 = never {_default('session_ttl')}")] = None,
     api_key: Annotated[Optional[list[str]], typer.Option(
-        help="require this bearer key (repeatable) (default none: no key needed; env LINSTREAM_API_KEYS)")] = None,
+        help="require this bearer key (repeatable) (default none: no key needed; env LINSTREAM_API_KEYS, "
+             "comma-separated or a JSON list)")] = None,
     api_key_file: Annotated[Optional[str], typer.Option(
         help="file with one key per line (default none; env LINSTREAM_API_KEY_FILE)")] = None,
     metrics_key: Annotated[Optional[str], typer.Option(
@@ -88,6 +104,14 @@ def serve(
     replicas: Annotated[Optional[int], typer.Option(
         min=1, help="start this many replica processes on the next ports and HAProxy in front of them on --port, "
                     "sharing --store (a Redis; default: a redis-server started here) (docs/scaling.md)")] = None,
+    allowed_origins: Annotated[Optional[list[str]], typer.Option(
+        help=f"let browser pages on this origin call the API (CORS; repeatable or comma-separated; * = any) "
+             f"{_default('allowed_origins')}")] = None,
+    log_format: Annotated[Optional[str], typer.Option(
+        help=f"text | json (one object per line: time, level, logger, message, request_id, replica) "
+             f"{_default('log_format')}")] = None,
+    access_log: Annotated[Optional[bool], typer.Option(
+        "--access-log/--no-access-log", help=f"a log line per request {_default('access_log')}")] = None,
     log_level: Annotated[str, typer.Option(
         help="uvicorn's log level: critical | error | warning | info | debug")] = "info",
     allocator: Annotated[str, typer.Option(
@@ -114,22 +138,27 @@ def serve(
              "weight_cache": weight_cache,
              "compile": compile, "gemm": gemm, "step_runtime": step_runtime,
              "prefix_cache_bytes": prefix_cache_bytes, "prefix_cache_shared": prefix_cache_shared,
-             "replica_name": replica_name, "drain_notice_s": drain_notice}
+             "replica_name": replica_name, "drain_notice_s": drain_notice,
+             "allowed_origins": [o.strip() for x in allowed_origins or () for o in x.split(",") if o.strip()],
+             "log_format": log_format, "access_log": access_log}
     given = {k: v for k, v in given.items() if v is not None and v != []}
     if replicas is not None:
         from linstream.cluster import serve_cluster
         raise SystemExit(serve_cluster(replicas, given, log_level, allocator))
-    import logging
-
     import uvicorn
-    handler = logging.StreamHandler()  # the server's own lines (the compile's progress) beside uvicorn's
-    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
-    logging.getLogger("linstream").addHandler(handler)
-    logging.getLogger("linstream").setLevel(log_level.upper())
+    from pydantic import ValidationError
+    from pydantic_settings.exceptions import SettingsError
 
-    from linstream.server.core.settings import Settings
+    from linstream.server.core import logs
+    from linstream.server.core.settings import Settings, bad_settings
     from linstream.server.engine.loading import check_checkpoints
-    settings = Settings(**given)
+    try:
+        settings = Settings(**given)
+    except (ValidationError, SettingsError) as e:  # one line naming the option or variable, no traceback
+        raise SystemExit(f"linstream serve: {bad_settings(e, given)}") from None
+    shared = settings.store.startswith(("redis://", "rediss://", "unix://"))  # replicas' lines may meet: name them
+    log_config = logs.config(settings.log_format, log_level, settings.replica_name, named=shared)
+    logs.configure(log_config)  # the server's own lines (the compile's progress) beside uvicorn's, from now on
     check_checkpoints(settings)  # a checkpoint that cannot be served: one line and exit 1, before the server starts
     from linstream.server.api.connections import fd_headroom, protocol
     from linstream.server.app import create_app
@@ -156,7 +185,8 @@ def serve(
                 self.handle_exit(sig, None)
 
     conns = fd_headroom(settings.max_connections)
-    Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
+    Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level, log_config=log_config,
+                          access_log=settings.access_log,
                           http=protocol(settings.header_timeout, conns, settings.max_header_bytes,
                                         min(1.0, settings.keep_alive_timeout)), timeout_keep_alive=settings.keep_alive_timeout,
                           timeout_graceful_shutdown=settings.graceful_shutdown_s)).run()

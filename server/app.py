@@ -5,6 +5,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
@@ -15,6 +16,7 @@ from .api.routes import docs, openai, responses, sessions, system
 from .api.schemas import Restore
 from .core import errors
 from .core.errors import BodyTooLarge, body
+from .core.logs import RequestId
 from .core.metrics import CountRequests
 from .core.settings import Settings
 from .runtime.runtime import Runtime
@@ -148,5 +150,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, json_limit=settings.max_json_bytes)
     app.add_middleware(BodyTimeout, timeout=settings.body_timeout)
     app.add_middleware(CountRequests)  # the body limits' answers are counted too
-    app.add_middleware(ReplicaHeader, name=settings.replica_name)  # outermost: on every answer
+    if settings.allowed_origins:  # browser pages elsewhere may call the API: preflights answered here, before a key is asked
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id", "X-Linstream-Replica", "Retry-After"])
+    app.add_middleware(ReplicaHeader, name=settings.replica_name)  # on every answer
+    app.add_middleware(RequestId)  # outermost: every line logged while a request is served names it
     return app

@@ -1,6 +1,7 @@
 """API keys: `Authorization: Bearer KEY`, checked in constant time against every configured key.
 
 /metrics, which counts every tenant's work, takes an operator key of its own (`Keys.operator`).
+A missing or wrong key is 401 with type "unauthorized" and OpenAI's code for it, "invalid_api_key".
 
 A session or snapshot belongs to the key that made it (its `owner`, a hash of the key, never the
 key itself); any other key is told 404, exactly as for an id that does not exist.
@@ -47,7 +48,7 @@ class Keys:
             ok |= hmac.compare_digest(k, given)
         if scheme.lower() != "bearer" or not ok:
             raise APIError(401, "unauthorized", "a valid API key is required: Authorization: Bearer KEY",
-                           headers={"WWW-Authenticate": "Bearer"})
+                           headers={"WWW-Authenticate": "Bearer"}, code="invalid_api_key")
         return key_id(given.decode())
 
     def operator(self, authorization: str | None, key: str) -> None:
@@ -61,7 +62,7 @@ class Keys:
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.encode(), token.strip().encode()):
             raise APIError(401, "unauthorized", "/metrics needs the operator's key: Authorization: Bearer KEY",
-                           headers={"WWW-Authenticate": "Bearer"})
+                           headers={"WWW-Authenticate": "Bearer"}, code="invalid_api_key")
 
 
 async def caller(request: Request) -> str:  # async: a sync dependency costs a worker-thread hop per request

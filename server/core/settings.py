@@ -1,17 +1,24 @@
 """Server settings: one pydantic-settings class; environment LINSTREAM_*, overridden by the CLI."""
 from __future__ import annotations
 
+import json
 import re
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings.exceptions import SettingsError
 
 from linstream.model import WEIGHTS
 from linstream.model.hub import check_name, is_repo_id
 from linstream.model.hub import resolve as resolve_hub
+
+
+# A list setting from the environment: comma-separated (LINSTREAM_MODELS=linear,mamba) or a JSON
+# list of strings (LINSTREAM_MODELS='["linear","mamba"]', for a value that holds a comma)
+Names = Annotated[list[str], NoDecode]
 
 
 class Settings(BaseSettings):
@@ -20,9 +27,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     # model names (directories under model/weights) or checkpoint paths; the first is the default
-    models: list[str] = Field(default_factory=lambda: ["linear"])
+    models: Names = Field(default_factory=lambda: ["linear"])
     # the API's names for those models, in order; a model without one is named after its directory
-    names: list[str] = Field(default_factory=list)
+    names: Names = Field(default_factory=list)
     device: str = "cpu"  # cpu | cuda | cuda:N: where weights and session states live
     # on a CUDA device, the whole model's dtype: float32 | bfloat16 | float16 (the latter two for
     # Mamba, RWKV-4 and fla models). On the CPU another spelling of `weights`
@@ -144,13 +151,33 @@ class Settings(BaseSettings):
     # checkpoint_bytes of them per session (the oldest go first), in memory and in the store
     checkpoint_every: int = Field(256, ge=0)
     checkpoint_bytes: int = Field(8 << 20, ge=0)
-    api_keys: list[str] = Field(default_factory=list)  # when set, every route but /healthz needs one
+    api_keys: Names = Field(default_factory=list)  # when set, every route but /healthz needs one
     api_key_file: Path | None = None  # one key per line; '#' starts a comment
     metrics_public: bool = False  # serve /metrics without a key
     # the operator's key for /metrics, which tells of every tenant's work; no API key opens it.
     # Unset while api_keys are set: /metrics is refused (403), unless metrics_public
     metrics_key: str = ""
     docs_public: bool = False  # serve /docs, /redoc and /openapi.json without a key
+    # browser pages on these origins may call the API (CORS; "*" for any); none by default
+    allowed_origins: Names = Field(default_factory=list)
+    log_format: Literal["text", "json"] = "text"  # json: one object per line (server/core/logs.py)
+    access_log: bool = True  # uvicorn's line per request
+
+    @field_validator("models", "names", "api_keys", "allowed_origins", mode="before")
+    @classmethod
+    def _listed(cls, v):
+        """A list as the environment spells it: JSON, or comma-separated (blanks dropped)."""
+        if not isinstance(v, str):
+            return v
+        if v.lstrip().startswith("["):
+            try:
+                v = json.loads(v)
+            except ValueError:
+                raise ValueError("not a JSON list; give a comma-separated list or a JSON list of strings") from None
+            if not all(isinstance(x, str) for x in v):
+                raise ValueError("give a comma-separated list or a JSON list of strings")
+            return v
+        return [x.strip() for x in v.split(",") if x.strip()]
 
     @model_validator(mode="after")
     def _derived(self) -> "Settings":
@@ -192,3 +219,21 @@ class Settings(BaseSettings):
         if p.is_dir() or (WEIGHTS / name).is_dir() or not is_repo_id(name):
             return p if p.is_dir() else WEIGHTS / name
         return resolve_hub(name)
+
+
+def bad_settings(e: ValidationError | SettingsError, given: dict) -> str:
+    """What is wrong with the settings, in one line naming each option or variable at fault:
+    `given` holds the options set on the command line; the rest came from the environment."""
+    if isinstance(e, SettingsError):
+        return str(e)
+    out = []
+    for err in e.errors():
+        msg = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a check across settings (_derived): its message names them
+            out.append(msg)
+            continue
+        name = str(err["loc"][0])
+        where = f"--{name.replace('_', '-')}" if name in given else f"LINSTREAM_{name.upper()}"
+        value = None if "key" in name else given.get(name, err.get("input"))  # never a key in the log
+        out.append(f"{where}={value!r}: {msg}" if isinstance(value, (str, int, float)) else f"{where}: {msg}")
+    return "; ".join(out)

@@ -1,8 +1,11 @@
+"""Routes for operators and tools: health checks, the version, metrics, a key's usage, and
+vLLM's and llama.cpp's /tokenize and /detokenize."""
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ...core.auth import Owner
+from ...core.build import build
 from ...sessions.leases import INSTANCE
 from ..openai_schemas import Detokenize, Tokenize
 from .deps import RT
@@ -10,7 +13,7 @@ from .deps import RT
 router = APIRouter(tags=["system"])
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(rt: RT):
     """Readiness. Open to anyone, so it says only that the server is up: what it serves and holds
     is for key holders (/v1/models, /metrics). 503 once the server is shutting down (SIGTERM), so
@@ -23,11 +26,17 @@ async def health(rt: RT):
     return JSONResponse({"status": "ok"}, headers=headers)
 
 
-@router.get("/healthz")
+@router.api_route("/healthz", methods=["GET", "HEAD"])
 async def healthz(rt: RT):
     """Liveness: 200 for as long as the process serves, draining included (an orchestrator that
     restarts a replica whose liveness fails must not cut its drain short)."""
     return JSONResponse({"status": "ok"}, headers={INSTANCE: rt.leases.me} if rt.leases else None)
+
+
+@router.get("/version")
+async def version(owner: Owner):
+    """The package's version, torch's, and the kind of our matmul this CPU runs (server/core/build.py)."""
+    return build()
 
 
 @router.get("/metrics")

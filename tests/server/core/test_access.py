@@ -29,6 +29,7 @@ async def test_key_required(client):
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "key-a"}, {"Authorization": "Basic key-a"}):
         r = await client.post("/v1/sessions", json={"prompt": "x"}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "unauthorized"
+        assert r.json()["error"]["code"] == "invalid_api_key"  # OpenAI's code
         assert r.headers["www-authenticate"] == "Bearer"
     assert (await client.get("/metrics")).status_code == 401
     assert (await client.get("/metrics", headers=A)).status_code == 401  # a tenant's key: the operator's only

@@ -29,6 +29,7 @@ def test_metrics_take_the_operators_key_only(c):
     for headers in ({}, A, B, {"Authorization": "Bearer nope"}, {"Authorization": "ops"}):
         r = c.get("/metrics", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "unauthorized"
+        assert r.json()["error"]["code"] == "invalid_api_key"
         assert "linstream_prefix_cache" not in r.text
     r = c.get("/metrics", headers=OPS)
     assert r.status_code == 200 and "linstream_prefix_cache_tokens_saved_total" in r.text
