@@ -5,16 +5,22 @@ more, and HAProxy sends each session's requests to one of them (`haproxy_config`
 share a Redis store, so a session, its lease and its prefix states are found by any of them
 (docs/scaling.md). Here: a redis-server is started when no store is given, the replicas listen
 on the ports after --port (loopback only), HAProxy on --port. A replica that exits is started
-again; SIGTERM or SIGINT drains the replicas (each answers /health with 503 first, then finishes
-its streams), then stops HAProxy and the Redis started here.
+again, unless it could not start at all (uvicorn's exit 3: its port taken), which stops the
+cluster; SIGTERM or SIGINT drains the replicas (each answers /health with 503 first, then finishes
+its streams), then stops HAProxy and the Redis started here. On Linux every child is also told to
+end (SIGTERM) by the kernel when this process dies, SIGKILL included, so nothing is left holding
+the ports; and a second `serve --replicas` on ports in use is refused in one line before it starts
+anything.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -103,6 +109,35 @@ def main(argv: list[str] | None = None) -> None:
 # ---- running a cluster on one machine ---------------------------------------------------------
 
 RESTART_S = 5.0  # a replica that exits is started again, at most once per this many seconds
+STARTUP_FAILED = 3  # uvicorn's exit code when a server cannot start (its port taken): not started again
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def _ends_with_us():
+    """A Popen preexec_fn that makes the child end (SIGTERM) when this process dies, however it
+    dies (Linux; None elsewhere). Looked up before the fork: the child only makes the call."""
+    if _prctl is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        _prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between the fork and the prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+    return preexec
+
+
+def _port_taken(host: str, port: int) -> bool:
+    """Whether a server could not listen on host:port now (bound as uvicorn, HAProxy and Redis bind)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
 
 def _which(cmd: str) -> str | None:
     return shutil.which(cmd) or next((p for p in (f"/usr/sbin/{cmd}", f"/usr/bin/{cmd}") if os.access(p, os.X_OK)), None)
@@ -128,7 +163,7 @@ def start_redis(port: int, workdir: str) -> subprocess.Popen:
     if exe is None:
         raise SystemExit("--replicas needs a Redis: pass --store redis://HOST:PORT/DB or install redis-server")
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", workdir], stdout=subprocess.DEVNULL)
+                             "--dir", workdir], stdout=subprocess.DEVNULL, preexec_fn=_ends_with_us())
     import redis
     r = redis.Redis(port=port)
     for _ in range(100):
@@ -150,9 +185,10 @@ class Cluster:
         self.n, self.log_level, self.allocator = n, log_level, allocator
         self.host, self.port = given.pop("host", "127.0.0.1"), given.pop("port", 8000)
         given.pop("replica_name", None)  # each replica is named by its own port (hostname:port)
+        store = given.pop("store", None)
+        self.check_ports(store is None)
         self.dir = tempfile.mkdtemp(prefix="linstream-cluster-")
         self.redis = None
-        store = given.pop("store", None)
         if store is None:
             self.redis = start_redis(self.port + n + 1, self.dir)
             store = f"redis://127.0.0.1:{self.port + n + 1}/0"
@@ -171,10 +207,21 @@ class Cluster:
     def replica_port(self, i: int) -> int:
         return self.port + 1 + i
 
+    def check_ports(self, redis: bool) -> None:
+        """SystemExit in one line if a port the cluster needs is taken (another cluster on it),
+        before any process is started."""
+        ports = [(self.host, self.port)] + [("127.0.0.1", self.replica_port(i)) for i in range(self.n)]
+        ports += [("127.0.0.1", self.port + self.n + 1)] if redis else []
+        taken = [port for host, port in ports if _port_taken(host, port)]
+        if taken:
+            raise SystemExit(f"linstream: port {taken[0]} is in use (another `linstream serve` on it?); --replicas "
+                             f"{self.n} --port {self.port} needs ports {self.port}-{ports[-1][1]} free")
+
     def start_replica(self, i: int) -> subprocess.Popen:
         args = [sys.executable, "-m", "linstream", "serve", "--host", "127.0.0.1", "--port", str(self.replica_port(i)),
                 "--log-level", self.log_level, "--allocator", self.allocator]
-        self.procs[i] = subprocess.Popen(args, env={**self.env, "LINSTREAM_STORE": self.store})  # no password in ps
+        self.procs[i] = subprocess.Popen(args, env={**self.env, "LINSTREAM_STORE": self.store},  # no password in ps
+                                         preexec_fn=_ends_with_us())
         self.started[i] = time.monotonic()
         return self.procs[i]
 
@@ -190,7 +237,7 @@ class Cluster:
         cfg = Path(self.dir) / "haproxy.cfg"
         bind = f"{'[' + self.host + ']' if ':' in self.host else self.host}:{self.port}"
         cfg.write_text(haproxy_config([(f"r{i}", f"127.0.0.1:{self.replica_port(i)}") for i in range(self.n)], bind))
-        self.haproxy = subprocess.Popen([exe, "-f", str(cfg), "-db"])
+        self.haproxy = subprocess.Popen([exe, "-f", str(cfg), "-db"], preexec_fn=_ends_with_us())
         local = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else bind.rsplit(":", 1)[0]
         if not _up(f"http://{local}:{self.port}/health", self.haproxy, 10):
             raise SystemExit(f"HAProxy did not come up on port {self.port} (config: {cfg})")
@@ -198,18 +245,24 @@ class Cluster:
         print(f"linstream: {self.n} replicas on ports {self.replica_port(0)}-{self.replica_port(self.n - 1)}, "
               f"HAProxy on http://{bind}, store {store}", flush=True)
 
-    def watch(self, stopping) -> None:
-        """Start again any replica that exits, until `stopping()`."""
+    def watch(self, stopping) -> int:
+        """Start again any replica that exits, until `stopping()` (-> 0); -> 1 once HAProxy exits
+        or a replica cannot start at all (STARTUP_FAILED: started again, it would fail forever)."""
         while not stopping():
             for i, p in enumerate(self.procs):
+                if p is not None and p.poll() == STARTUP_FAILED:
+                    print(f"linstream: replica {i} could not start on port {self.replica_port(i)} (exit {STARTUP_FAILED}: "
+                          "its port taken?); stopping the cluster", file=sys.stderr, flush=True)
+                    return 1
                 if p is not None and p.poll() is not None and not stopping() \
                         and time.monotonic() - self.started[i] > RESTART_S:
                     print(f"linstream: replica {i} exited ({p.returncode}); starting it again", file=sys.stderr, flush=True)
                     self.start_replica(i)
             if self.haproxy is not None and self.haproxy.poll() is not None:
                 print("linstream: HAProxy exited; stopping the replicas", file=sys.stderr, flush=True)
-                return
+                return 1
             time.sleep(0.2)
+        return 0
 
     def stop(self, grace: float = 60) -> None:
         """Drain the replicas (SIGTERM: each goes out of the proxy's rotation, then finishes its
@@ -242,10 +295,9 @@ def serve_cluster(n: int, given: dict, log_level: str, allocator: str) -> int:
     cluster = Cluster(n, dict(given), log_level, allocator)
     try:
         cluster.start()
-        cluster.watch(lambda: bool(stop))
+        return cluster.watch(lambda: bool(stop))
     finally:
         cluster.stop()
-    return 0
 
 
 if __name__ == "__main__":
