@@ -60,9 +60,9 @@ cli_clients() (  # linstream's own client commands against one server with every
   srv=$!
   trap 'kill $srv' EXIT
   until curl -sf http://127.0.0.1:$port/healthz >/dev/null; do sleep 0.5; done
-  linstream bench latency --url http://127.0.0.1:$port --threads 1 --models linear,mamba,softmax \
+  python -m benchmarks.serving.latency --url http://127.0.0.1:$port --threads 1 --models linear,mamba,softmax \
       --out $r/serving/latency                   # serving/latency.json, .png
-  linstream bench latency --url http://127.0.0.1:$port --threads 1 --contexts 128,4096,32768 --tokens 32 \
+  python -m benchmarks.serving.latency --url http://127.0.0.1:$port --threads 1 --contexts 128,4096,32768 --tokens 32 \
       --out $r/serving/latency_mixers            # serving/latency_mixers.json, .png
   linstream loadtest --url http://127.0.0.1:$port --model linear --concurrency 1,8,64,256 --duration 20 \
       --out $r/serving/loadtest                  # serving/loadtest.json, .png

@@ -3,8 +3,9 @@
 Over HTTP: push N random tokens into a fresh session, stream M tokens, and time the gaps
 between token events as the client receives them, beside the server's own per-token time (the done
 event's `per_token_ms`); a client figure below the server's is flagged, since only a client
-starved of CPU can see one. In-process: the same checkpoints stepped directly (no HTTP), so the
-server's overhead shows as a ratio. Writes JSON and a PNG.
+starved of CPU can see one. Writes JSON and a PNG. HTTP only, like every client:
+`python -m benchmarks.serving.latency` runs the same with the in-process column beside it (the
+same checkpoints stepped directly, so the server's overhead shows as a ratio).
 """
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from .sdk import Client
@@ -37,43 +38,11 @@ def over_http(c: Client, model: str, n: int, m: int, vocab: int) -> dict:
             "server_per_token_ms": stream.done.timings["per_token_ms"]}
 
 
-def in_process(weights: Path, model_name: str, n: int, m: int, compiled: bool = False) -> dict:
-    """The same checkpoint stepped directly: with the compiled step (model/compiled/stepper.py) when
-    `compiled` (as the server steps it), else eagerly (LM.step)."""
-    from linstream.model.compiled import Stepper
-    from linstream.model.hf import load_checkpoint
-    from linstream.model.timing import state_at, time_steps
-    if model_name not in _cache:  # linstream's own checkpoints or imported (HF-format) ones alike
-        lm = load_checkpoint(weights / model_name)[0]
-        _cache[model_name] = lm, (Stepper(lm, "on", background=False) if compiled else None)
-    lm, stepper = _cache[model_name]
-    ts = time_steps(stepper or lm, state_at(lm, n), m)
-    return {"ms_median": 1000 * statistics.median(ts), "ms_p99": 1000 * pct(ts, 0.99),
-            "step": "compiled" if stepper else "eager"}
-
-
-_cache: dict = {}
-
-
-def hf_mamba(m: int, n: int = 128) -> dict | None:
-    """transformers' MambaForCausalLM of the default shape, random weights, greedy generate."""
-    try:
-        from transformers import MambaConfig, MambaForCausalLM
-    except ImportError:
-        return None
-    cfg = MambaConfig(vocab_size=2048, hidden_size=256, state_size=8, num_hidden_layers=4, expand=2,
-                      conv_kernel=4, time_step_rank=16, use_cache=True)
-    lm = MambaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 2048, (1, n))
-    from linstream.model.timing import generate_ms_per_token
-    return {"context": n, "ms_per_token": generate_ms_per_token(lm, ids, m),
-            "parameters": sum(p.numel() for p in lm.parameters())}
-
-
-def run(url, models, contexts, m, do_in_process, do_hf, threads, out, weights=None, api_key=None):
-    from linstream.model import WEIGHTS
-    weights = Path(weights) if weights else WEIGHTS
-    torch.set_num_threads(threads)
+def run(url, models, contexts, m, out, api_key=None, beside: Callable[[str, int, dict], dict] | None = None,
+        extras: Callable[[], dict] | None = None) -> dict:
+    """Measure every (model, context) over HTTP and write out.json and out.png. `beside(model, n,
+    served)` adds a column to each point (benchmarks.serving.latency adds the in-process step,
+    which needs the model: the clients speak only HTTP); `extras()` adds keys to the result."""
     c = Client(url, api_key, timeout=600)
     tqdm.write("waiting for any decode step still compiling (the server serves eagerly meanwhile)")
     c.decode_steps()
@@ -81,13 +50,12 @@ def run(url, models, contexts, m, do_in_process, do_hf, threads, out, weights=No
     missing = [x for x in models if x not in served]
     if missing:
         raise SystemExit(f"models not served by {url}: {missing}")
-    res = {"url": url, "tokens_per_measurement": m, "machine": {"cpu": platform.machine(), "client_threads": threads},
-           "models": {}}
+    res = {"url": url, "tokens_per_measurement": m, "machine": {"cpu": platform.machine()}, "models": {}}
     work = [(x, n) for x in models for n in contexts]
     for x, n in tqdm(work, desc="latency", unit="point"):
         row = {"context": n, "http": over_http(c, x, n, m, 2048)}
-        if do_in_process:  # stepped as the server steps it
-            row["in_process"] = in_process(weights, x, n, m, served[x].get("decode_step") == "compiled")
+        if beside:
+            row["in_process"] = beside(x, n, served[x])
             row["http_over_in_process"] = row["http"]["ms_median"] / row["in_process"]["ms_median"]
         res["models"].setdefault(x, []).append(row)
         http = row["http"]
@@ -95,16 +63,13 @@ def run(url, models, contexts, m, do_in_process, do_hf, threads, out, weights=No
         tqdm.write(f"{x:8s} N={n:6d}: SSE {http['ms_median']:.3f} ms/token (p99 {http['ms_p99']:.3f}), "
                    f"server {'-' if server is None else f'{server:.3f}'} ms/token"
                    + (f", in-process {row['in_process']['ms_median']:.3f} ms ({row['in_process']['step']})"
-                      if do_in_process else "")
+                      if beside else "")
                    + f", state {http['state_bytes']:,} B")
         warning = starved(http["ms_median"], server)
         http["client_starved"] = warning is not None
         if warning:
             tqdm.write(warning)
-    if do_hf:
-        res["hf_transformers_mamba"] = hf_mamba(m)
-        if res["hf_transformers_mamba"]:
-            tqdm.write(f"transformers Mamba generate: {res['hf_transformers_mamba']['ms_per_token']:.3f} ms/token")
+    res.update(extras() if extras else {})
     res["summary"] = summarise(res)
     for k, v in res["summary"].items():
         print(f"{k}: {v:.3f}")
@@ -112,6 +77,7 @@ def run(url, models, contexts, m, do_in_process, do_hf, threads, out, weights=No
     Path(out + ".json").write_text(json.dumps(res, indent=2) + "\n")
     plot(res, out + ".png")
     print(f"wrote {out}.json and {out}.png")
+    return res
 
 
 def summarise(res) -> dict:

@@ -124,10 +124,9 @@ def test_cli_chat_help_save_without_a_name_and_ctrl_c_keeps_the_session(server, 
         c.get_session(sid)  # /quit deletes it
 
 
-def test_cli_bench_latency_tiny(server, ckpts, tmp_path):
+def test_cli_bench_latency_tiny(server, tmp_path):
     """By default every served model, written to a new folder under the current directory."""
-    r = cli("bench", "latency", "--url", server.url, "--contexts", "16,64",
-            "--tokens", "6", "--weights", str(ckpts), "--no-hf", cwd=tmp_path)
+    r = cli("bench", "latency", "--url", server.url, "--contexts", "16,64", "--tokens", "6", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     [out] = [p.with_suffix("") for p in tmp_path.glob("latency-*/latency.json")]
     res = json.loads(out.with_suffix(".json").read_text())
@@ -135,7 +134,7 @@ def test_cli_bench_latency_tiny(server, ckpts, tmp_path):
     for rows in res["models"].values():
         assert [x["context"] for x in rows] == [16, 64]
         for x in rows:
-            assert x["http"]["ms_median"] > 0 and x["in_process"]["ms_median"] > 0 and x["http"]["state_bytes"] > 0
+            assert x["http"]["ms_median"] > 0 and x["http"]["state_bytes"] > 0 and "in_process" not in x
     assert res["summary"]["softmax_over_linear_sse_at_64"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
 
