@@ -56,7 +56,8 @@ def generate(prompt: str, url: Annotated[str, URL] = "http://127.0.0.1:8000",
                f"{t['per_token_ms']} ms/token]", err=True)
 
 
-CHAT_HELP = ("commands: /save [FILE] (state blob), /load FILE, /history, /help, /quit (deletes the session); "
+CHAT_HELP = ("commands: /undo (takes back the last turn), /branch (goes on in a copy, the session kept as it is), "
+             "/save [FILE] (state blob), /load FILE, /history, /help, /quit (deletes the session); "
              "any other line is sent (start it with // to send a line that starts with /); "
              "Ctrl-C leaves and keeps the session")
 
@@ -83,6 +84,7 @@ def chat(url: Annotated[str, URL] = "http://127.0.0.1:8000", api_key: Annotated[
 def _chat_loop(c: Client, session: list[str], max_tokens: int, temperature: float, top_p: float) -> None:
     from .sdk import LinstreamError
     sid = session[0]
+    turns: list[int] = []  # the position before each turn of this loop, for /undo
     while True:
         try:
             line = input("> ")
@@ -103,21 +105,50 @@ def _chat_loop(c: Client, session: list[str], max_tokens: int, temperature: floa
                 new = c.restore(blob=Path(arg).read_bytes())
                 c.delete(sid)
                 sid = session[0] = new["id"]
+                turns.clear()
                 typer.echo(f"loaded {arg}: session {sid} at position {new['position']}")
             elif cmd == "/history":
                 typer.echo(c.history(sid)["text"])
+            elif cmd == "/undo":
+                if not turns:
+                    typer.echo("nothing to undo")
+                    continue
+                at = c.rewind(sid, turns.pop())["position"]
+                typer.echo(f"back to position {at}")
+            elif cmd == "/branch":
+                new = c.fork(sid)
+                typer.echo(f"on branch {new['id']} at position {new['position']}; session {sid} kept as it was")
+                sid = session[0] = new["id"]
             elif cmd.startswith("/") and not cmd.startswith("//"):  # a mistyped command is never sent as text
                 typer.echo(f"unknown command {cmd}; {CHAT_HELP}")
             else:
                 if line.startswith("//"):
                     line = line[1:]
-                c.push(sid, text=line + "\n")
+                pushed = c.push(sid, text=line + "\n")
+                turns.append(pushed["position"] - pushed["tokens"])
                 for ev in c.generate(sid, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=["\n\n"]):
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()
                 sys.stdout.write("\n")
         except (LinstreamError, OSError) as e:
             typer.echo(f"error: {e}", err=True)
+
+
+@app.command()
+def rewind(session: str, position: int, url: Annotated[str, URL] = "http://127.0.0.1:8000",
+           api_key: Annotated[Optional[str], API_KEY] = None,
+           fork: Annotated[bool, typer.Option(help="make a new session there instead, the session kept")] = False):
+    """Put SESSION back at POSITION of its history (or fork it there), and print the session."""
+    import json
+
+    from .sdk import Client, LinstreamError
+    with Client(url, api_key) as c:
+        try:
+            out = c.fork(session, position) if fork else c.rewind(session, position)
+        except LinstreamError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(1) from None
+    typer.echo(json.dumps(out))
 
 
 @bench.command("latency")
