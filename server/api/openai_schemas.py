@@ -123,6 +123,7 @@ class Chat(OpenAISampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     functions: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    function_call: Name | dict[str, Any] | None = None  # legacy: refused with functions (`unsupported`)
     tool_choice: Name | dict[str, Any] | None = None
     parallel_tool_calls: bool = Field(True, description="with tool_choice required: several calls may come back")
 
@@ -134,11 +135,11 @@ def unsupported(req: OpenAISampling) -> None:
     """400 naming the first field asking for what this server cannot do."""
     why = None
     if isinstance(req, Completion) and req.suffix:
-        why = "suffix: insertion (text after the completion) is not supported"
-    elif isinstance(req, Chat) and req.functions:
-        why = "functions: the legacy function-calling fields are not supported; send tools"
+        why = "suffix", "insertion (text after the completion) is not supported"
+    elif isinstance(req, Chat) and (req.functions or req.function_call is not None):
+        why = "functions" if req.functions else "function_call", "the legacy function-calling fields are not supported; send tools"
     if why:
-        raise APIError(400, "unsupported_field", why)
+        raise APIError(400, "unsupported_field", f"{why[0]}: {why[1]}", param=why[0])
 
 
 def message_text(m: Message, i: int) -> str:
@@ -150,10 +151,10 @@ def message_text(m: Message, i: int) -> str:
         return (text + "\n" if text else "") + json.dumps(calls, ensure_ascii=False)
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
-    for p in m.content:
+    for j, p in enumerate(m.content):
         if p.type != "text":
-            raise APIError(400, "unsupported_content", f"messages[{i}].content: part type {p.type!r} is not "
-                           "supported; only 'text'")
+            raise APIError(400, "unsupported_content", f"messages[{i}].content[{j}]: part type {p.type!r} is not "
+                           "supported; only 'text'", param=f"messages[{i}].content[{j}].type")
     return "".join(p.text or "" for p in m.content)
 
 

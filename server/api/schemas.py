@@ -88,9 +88,10 @@ class Sampling(Body):
         API, 400 context_length_exceeded on the OpenAI routes (core/errors.py); `context`: the
         sentence naming the model's maximum context length (engine/prompts.py, context_phrase)."""
         n = self.asked_tokens()
-        if n > limit:
-            why = f"max_tokens={n} exceeds {limit}"
-            raise APIError(413, "max_tokens_too_large", f"{context}; {why}" if context else why, param="max_tokens",
+        if n > limit:  # named as asked: chat's max_completion_tokens takes precedence over max_tokens
+            field = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) is not None else "max_tokens"
+            why = f"{field}={n} exceeds {limit}"
+            raise APIError(413, "max_tokens_too_large", f"{context}; {why}" if context else why, param=field,
                            code="context_length_exceeded")
         return n
 

@@ -142,3 +142,68 @@ def test_langchain_sees_a_context_overflow(server):
     raised(ContextOverflowError, lambda: chat.invoke("x " * 80))
     e = raised(openai.BadRequestError, lambda: chat.invoke("Hi", temperature=-1))
     assert e.param == "temperature" and not isinstance(e, ContextOverflowError)
+
+
+# A request the table of docs/api.md ("OpenAI fields and routes") says is refused, for each field
+# it names on a refusing row: (route, field) -> (path, body, the `param` the 400 or 404 names)
+CHAT_BODY = {"model": "linear", "messages": CHAT}
+REFUSALS = {
+    ("all", "model"): ("/v1/completions", {"model": "gpt-4o", "prompt": "Hi"}, "model"),
+    ("completions", "max_tokens"): ("/v1/completions", {"model": "linear", "prompt": "Hi", "max_tokens": 65}, "max_tokens"),
+    ("chat", "max_tokens"): ("/v1/chat/completions", {**CHAT_BODY, "max_tokens": 65}, "max_tokens"),
+    ("chat", "max_completion_tokens"): ("/v1/chat/completions", {**CHAT_BODY, "max_completion_tokens": 65},
+                                        "max_completion_tokens"),
+    ("completions", "suffix"): ("/v1/completions", {"model": "linear", "prompt": "Hi", "suffix": "end"}, "suffix"),
+    ("chat", "messages"): ("/v1/chat/completions", {"model": "linear", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+        "messages[0].content[1].type"),
+    ("chat", "top_logprobs"): ("/v1/chat/completions", {**CHAT_BODY, "top_logprobs": 2}, "top_logprobs"),
+    ("chat", "functions"): ("/v1/chat/completions", {**CHAT_BODY, "functions": [{"name": "f"}]}, "functions"),
+    ("chat", "function_call"): ("/v1/chat/completions", {**CHAT_BODY, "function_call": "auto"}, "function_call"),
+    ("responses", "tools"): ("/v1/responses", {"model": "linear", "input": "Hi", "tools": [{"type": "web_search"}]},
+                             "tools"),
+    ("responses", "tool_choice"): ("/v1/responses", {"model": "linear", "input": "Hi", "tool_choice": "required"},
+                                   "tool_choice"),
+    ("responses", "text.format"): ("/v1/responses", {"model": "linear", "input": "Hi", "text": {
+        "format": {"type": "json_object"}}}, "text.format"),
+    ("responses", "top_logprobs"): ("/v1/responses", {"model": "linear", "input": "Hi", "top_logprobs": 2},
+                                    "top_logprobs"),
+    ("responses", "background"): ("/v1/responses", {"model": "linear", "input": "Hi", "background": True}, "background"),
+    ("responses", "conversation"): ("/v1/responses", {"model": "linear", "input": "Hi", "conversation": "c"},
+                                    "conversation"),
+    ("responses", "prompt"): ("/v1/responses", {"model": "linear", "input": "Hi", "prompt": {"id": "p"}}, "prompt"),
+    ("responses", "input"): ("/v1/responses", {"model": "linear", "input": [
+        {"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0].type"),
+    ("responses", "content"): ("/v1/responses", {"model": "linear", "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:,"}]}]}, "input[0].content[0].type"),
+}
+# on a refusing row, but served (chat's logprobs), or the row says the field is chat's only
+SERVED = {("chat", "logprobs"), ("completions", "max_completion_tokens")}
+VALUES = {"none", "auto", "text"}  # values the table quotes, not fields
+
+
+def table_refusals() -> set[tuple[str, str]]:
+    """(route, field) for every field a row of the table names where its third column refuses."""
+    import re
+    from tests.helpers import ROOT
+    text = (ROOT / "docs" / "api.md").read_text().split("### OpenAI fields and routes", 1)[1].split("\n## ", 1)[0]
+    out = set()
+    for row in text.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) != 3 or not re.search(r"refused|400|404", cells[2]):
+            continue
+        fields = set(re.findall(r"`([a-z_.]+)`", cells[1])) - VALUES
+        if "input items other than messages" in cells[1]:
+            fields.add("input")
+        if "content parts other than text" in cells[1]:
+            fields.add("content")
+        out |= {(route.strip(), f) for route in cells[0].split(",") for f in fields} - SERVED
+    return out
+
+
+def test_every_refusal_in_the_table_names_its_field(server):
+    named = table_refusals()
+    assert named - set(REFUSALS) == set(), "a refusal in docs/api.md without an example here"
+    for (route, field), (path, body, param) in REFUSALS.items():
+        r = httpx.post(server.url + path, json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (route, field, r.text)
