@@ -5,24 +5,11 @@ import os
 import socket
 import subprocess
 import sys
-import time
-
-import httpx
 
 from linstream.clients.sdk import Client
+from linstream.processes import wait_until_up
 
-
-def wait_until_up(proc: subprocess.Popen, url: str, within: float) -> bool:
-    """Poll `url` until it answers 200 (True), the process exits or `within` seconds pass (False)."""
-    deadline = time.time() + within
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    return False
+__all__ = ["LocalServer", "free_port", "stop_process", "wait_compiled", "wait_until_up"]
 
 
 def wait_compiled(url: str, within: float = 300.0) -> dict:

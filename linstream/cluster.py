@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .processes import wait_until_up
+
 # The routing key (docs/scaling.md#routing), in HAProxy's words. The rules run in order; the
 # first that sets txn.affinity wins. Double quotes inside single ones: HAProxy's two levels of quoting.
 ROUTING = """\
@@ -143,19 +145,6 @@ def _which(cmd: str) -> str | None:
     return shutil.which(cmd) or next((p for p in (f"/usr/sbin/{cmd}", f"/usr/bin/{cmd}") if os.access(p, os.X_OK)), None)
 
 
-def _up(url: str, proc: subprocess.Popen, within: float) -> bool:
-    import httpx
-    deadline = time.time() + within
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    return False
-
-
 def start_redis(port: int, workdir: str) -> subprocess.Popen:
     """A redis-server on loopback `port` that keeps nothing on disk (the cluster's sessions last as
     long as it does)."""
@@ -232,14 +221,14 @@ class Cluster:
         for i in range(self.n):
             self.start_replica(i)
         for i, p in enumerate(self.procs):
-            if not _up(f"http://127.0.0.1:{self.replica_port(i)}/health", p, 300):
+            if not wait_until_up(p, f"http://127.0.0.1:{self.replica_port(i)}/health", 300):
                 raise SystemExit(f"replica {i} on port {self.replica_port(i)} did not come up")
         cfg = Path(self.dir) / "haproxy.cfg"
         bind = f"{'[' + self.host + ']' if ':' in self.host else self.host}:{self.port}"
         cfg.write_text(haproxy_config([(f"r{i}", f"127.0.0.1:{self.replica_port(i)}") for i in range(self.n)], bind))
         self.haproxy = subprocess.Popen([exe, "-f", str(cfg), "-db"], preexec_fn=_ends_with_us())
         local = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else bind.rsplit(":", 1)[0]
-        if not _up(f"http://{local}:{self.port}/health", self.haproxy, 10):
+        if not wait_until_up(self.haproxy, f"http://{local}:{self.port}/health", 10):
             raise SystemExit(f"HAProxy did not come up on port {self.port} (config: {cfg})")
         store = re.sub(r"//[^/@]*@", "//***@", self.store)  # no password in the log
         print(f"linstream: {self.n} replicas on ports {self.replica_port(0)}-{self.replica_port(self.n - 1)}, "
