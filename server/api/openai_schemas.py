@@ -72,12 +72,11 @@ class OpenAISampling(Sampling, Guided):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def to_params(self, limit: int, vocab_size: int, choice: int = 0) -> SamplingParams:
+    def to_params(self, limit: int, choice: int = 0) -> SamplingParams:
         """The sampler's parameters for choice `choice` of the request: with a seed, choice i draws
-        from its own seed derived from it, so n choices differ and the same request gives the same n."""
-        bad = [t for t in self.logit_bias or {} if t >= vocab_size]
-        if bad:
-            raise APIError(400, "invalid_token", f"logit_bias: token ids must lie in [0, {vocab_size}); got {bad[:5]}")
+        from its own seed derived from it, so n choices differ and the same request gives the same n.
+        The logit bias's token ids are checked against the model's vocabulary by the runtime
+        (runtime/generation.py, `check_vocabulary`)."""
         seed = None if self.seed is None else (self.seed + choice * SEED_STRIDE) % MAX_SEED
         return replace(super().to_params(limit), seed=seed, logit_bias=dict(self.logit_bias or {}),
                        presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)

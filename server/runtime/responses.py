@@ -22,6 +22,7 @@ from linstream.model.sampling import SamplingParams
 from ..core.errors import APIError, not_found
 from ..sessions.responses import ResponseRecords
 from ..sessions.session import Session
+from .generation import generate_on
 from .stream import Stream
 
 FORK_TRIES, FORK_WAIT_S = 100, 0.02  # a parent being forked by another request is busy that briefly
@@ -72,7 +73,7 @@ async def open_turn(rt, owner: str, model: str | None, previous: str | None, ren
     """Start generating a response: on a fork of the session of response `previous`, or on a new
     session. `render(tail)` -> the text this request adds, given the text of the last few tokens
     of the state it goes on from (None for a new conversation)."""
-    parent, s = None, None
+    parent = None
     if previous:
         meta = await records(rt).get(previous, owner, "previous_response_id")
         parent = await _parent(rt, meta["session"], previous, owner)
@@ -84,24 +85,16 @@ async def open_turn(rt, owner: str, model: str | None, previous: str | None, ren
         eng = rt.engine(model)
     rt.admit(eng, owner)  # draining, overloaded or rate-limited: refused before any work
     ids = await rt.tokens_of(eng, render(eng.tok.decode(parent.tokens[-4:]) if parent else None), None)
-    try:
-        if parent:
-            s = await _fork(rt, parent, previous, owner)
-            cached = s.position
-        elif store:
-            s = await rt.create(eng.name, None, ids, owner)  # prefilled by the create
-            cached = 0
-        else:  # a temporary session, from the longest cached prefix of the input
-            s = await rt.start_from_prefix(eng, owner, ids)
-            cached = s.position
-        async with rt.hold(s, release=False) as s:
-            if parent or not store:
-                await rt.push(s, ids[s.position:] if s.ephemeral else ids)
-            st = rt.generate(s, params)
-    except BaseException:  # refused, failed or cancelled: nothing names the session
-        if s is not None and rt.sessions.get(s.id) is s:
-            await asyncio.shield(rt.spawn(rt.delete(s)))
-        raise
+    if parent:  # the fork holds the conversation: this request's input is pushed whole
+        s = await _fork(rt, parent, previous, owner)
+        cached, push = s.position, ids
+    elif store:  # prefilled by the create
+        s = await rt.create(eng.name, None, ids, owner)
+        cached, push = 0, None
+    else:  # a temporary session, from the longest cached prefix of the input
+        s = await rt.start_from_prefix(eng, owner, ids)
+        cached, push = s.position, ids[s.position:]
+    st = await generate_on(rt, s, push, params)
     return Turn(st, cached, store, rt)
 
 

@@ -53,6 +53,7 @@ from ..sessions.snapshots import Snapshots
 from ..sessions.store import StoreUnavailable, open_store
 from . import background
 from .constraints import Compiler, Constraint
+from .generation import GenerationRequest, open_generation
 from .stream import Stream
 
 log = logging.getLogger("linstream")
@@ -267,11 +268,16 @@ class Runtime:
         for none."""
         return None if c is None else await self.grammars.compile(eng, c, owner)
 
+    async def open_generation(self, req: GenerationRequest) -> Stream:
+        """The one call a route makes to start a generation (runtime/generation.py)."""
+        return await open_generation(self, req)
+
     def generate(self, s: Session, params: SamplingParams, logprobs: int | None = None,
-                 matcher: Matcher | None = None) -> Stream:
+                 matcher: Matcher | None = None, undo: tuple | None = None) -> Stream:
         """Submit a generation. The session stays busy until `finish_generation` has persisted
         the state over exactly the tokens the client received. `matcher`: the grammar its
-        tokens follow (a fresh one per generation: it is the job's)."""
+        tokens follow (a fresh one per generation: it is the job's); `undo`: where the session
+        goes back to if the response never leaves (`mark`)."""
         if s.position == 0:
             raise APIError(400, "empty_session", "the session holds no tokens yet: push a prompt first")
         eng = self.engines[s.model]
@@ -287,6 +293,7 @@ class Runtime:
         job = Job(s.slot, params, asyncio.get_running_loop(), logprobs, finished, owner=s.owner, matcher=matcher)
         eng.submit(job)
         st = Stream(job, eng, s, lambda: self.finish_generation(st), self.spawn)
+        st.undo = undo
         self.open.add(st)
         return st
 

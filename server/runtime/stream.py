@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from ..core.errors import StoreUnavailable
 from ..engine.engine import Engine
 from ..engine.jobs import Job
 from ..sessions.session import Session
 from .constraints import failure
+
+
+@dataclass
+class Prompt:
+    """What a generation's request pushed before it started (the OpenAI routes echo it)."""
+    ids: list[int]  # the prompt's token ids, whole (a temporary session may start part way, from a cached prefix)
+    logprobs: list | None  # (logprob, top) of each token pushed, when echoed with logprobs
+    start: int  # the position it was pushed from (0: its first token has no context)
 
 
 class Stream:
@@ -30,6 +39,8 @@ class Stream:
         # leaves (a non-streamed one whose client leaves first: Runtime.mark), and whether it did not
         self.undo: tuple | None = None
         self.abandoned = False
+        self.temporary = False  # its session was made for this request alone, and is deleted when it ends
+        self.prompt: Prompt | None = None  # what its request pushed first (runtime/generation.py)
         self._finish, self._spawn = finish, spawn
 
     def delivered(self, token: int) -> None:

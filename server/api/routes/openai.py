@@ -22,6 +22,8 @@ from ...core.errors import APIError, body
 from ...engine.engine import Engine
 from ...engine.prompts import context_limit, context_phrase
 from ...runtime.constraints import Constraint, error_status
+from ...runtime.generation import GenerationRequest
+from ...runtime.runtime import Runtime
 from ...sessions.session import Session
 from ..openai_schemas import MAX_RUNS, Chat, Completion, OpenAISampling, chat_prompt, unsupported
 from ..streaming import DONE_FRAME, Gathered, Stream, data_frame, events, sse_response
@@ -33,23 +35,29 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 
 @dataclass
 class Run:
-    """One generation of a request: its stream (on a temporary or a named session) and prompt."""
+    """One generation of a request: its stream (on a temporary or a named session), and what the
+    stream's request pushed first (`Stream.prompt`)."""
     stream: Stream
-    ids: list[int]
-    prompt_logprobs: list | None  # (logprob, top) of each prompt token pushed, when echoed with logprobs
-    temp: bool
-    from_start: bool = True  # the prompt was pushed from position 0: its first token has no context
+
+    @property
+    def ids(self) -> list[int]:
+        return self.stream.prompt.ids
+
+    @property
+    def temp(self) -> bool:
+        return self.stream.temporary
 
     @property
     def echo(self) -> list | None:
         """(token, logprob, top) of the prompt, when echoed with logprobs. Made when asked for:
         one choice's serves every choice of its prompt, and over a long prompt each list costs the
         event loop tens of milliseconds."""
-        if self.prompt_logprobs is None:
+        prompt = self.stream.prompt
+        if prompt.logprobs is None:
             return None
-        first = self.from_start
+        first = prompt.start == 0  # pushed from position 0: its first token has no context
         return [(t, None if first and i == 0 else lp, None if first and i == 0 else top)
-                for i, (t, (lp, top)) in enumerate(zip(self.ids, self.prompt_logprobs))]
+                for i, (t, (lp, top)) in enumerate(zip(prompt.ids, prompt.logprobs))]
 
     @property
     def session(self) -> Session:
@@ -60,57 +68,18 @@ class Run:
         return self.stream.eng.tok
 
 
-def _separator(tail: str) -> str:
-    """What goes between a session's text and the chat turns appended to it, so the transcript
-    keeps chat_prompt's blank line between messages."""
-    return "" if tail.endswith("\n\n") else "\n" if tail.endswith("\n") else "\n\n"
-
-
-async def _run(rt, req, owner: str, text: str | list[int], echo_logprobs: int | None, logprobs: int | None,
-               choice: int = 0, transcript: bool = False, follow: str = "", constraint: Constraint | None = None) -> Run:
-    """Open or continue the session, push the prompt, start generating. `transcript`: text is
-    chat turns, separated from what a continued session holds; `follow`: what the next request
-    puts after this completion (the prefix cache keeps that state too). What can be refused is checked
-    before a temporary session is made; once made, it is deleted on any way out (a refusal, an
-    error, a cancellation) until its generation owns it, and then when that ends
-    (Runtime.finish_generation). `constraint`: what the output follows (api/structured.py),
-    compiled for the engine before any work."""
+async def _run(rt: Runtime, req: OpenAISampling, owner: str, prompt: str | list[int], echo_logprobs: int | None,
+               logprobs: int | None, choice: int = 0, transcript: bool = False, follow: str = "",
+               constraint: Constraint | None = None) -> Run:
+    """Choice `choice` of the request, started by the runtime (runtime/generation.py): on the
+    session `session_id` names, or on a temporary one. `transcript`: the prompt is chat turns;
+    `follow`: what the next request puts after this completion; `constraint`: what the output
+    follows (api/structured.py)."""
     limit = rt.settings.max_new_tokens
     req.new_tokens(limit, context_phrase(rt.settings))  # refused before any work
-    if req.session_id:
-        s = await rt.find(req.session_id, owner)
-        if req.model and req.model != s.model:
-            raise APIError(400, "invalid_request", f"session {s.id!r} runs model {s.model!r}")
-        eng = rt.engines[s.model]
-    else:
-        s, eng = None, rt.engine(req.model)
-    params = req.to_params(limit, eng.model.cfg.vocab_size, choice)
-    matcher = await rt.constrain(eng, constraint, owner)
-    ids = await (rt.prompt_tokens(eng, owner, text) if isinstance(text, str) else rt.tokens_of(eng, None, text))
-    if not ids and (s is None or s.position == 0):
-        raise APIError(400, "empty_prompt", "the prompt is empty: send text or token ids" if s is None else
-                       f"session {s.id!r} holds no tokens and the prompt is empty: send text or token ids")
-    temp = s is None
-    if temp:
-        rt.admit(eng, owner)  # draining, overloaded or rate-limited: refused before any work
-        # from the longest cached prefix; `follow`: what the next request puts after this completion
-        s = await rt.start_from_prefix(eng, owner, ids, follow, echo_logprobs is None, text if isinstance(text, str) else None)
-    try:
-        async with rt.hold(s, release=False) as s:
-            if transcript and not temp and s.tokens:  # a continued session: the transcript's separator
-                ids = eng.tok.encode(_separator(eng.tok.decode(s.tokens[-4:]))) + ids
-            start = s.position
-            # a continued session answered in one body: if its client leaves first, the session goes back to this
-            undo = None if temp or req.stream else await rt.mark(s)
-            _, pre = await rt.push(s, ids[start:] if temp else ids, echo_logprobs)
-            prompt_logprobs = pre.results if pre is not None and echo_logprobs is not None else None
-            st = rt.generate(s, params, logprobs, matcher)
-            st.undo = undo
-    except BaseException:  # cancellation (the client left, shutdown) included
-        if temp:  # shielded: a second cancellation must not cut the delete short
-            await asyncio.shield(rt.spawn(rt.delete(s)))
-        raise
-    return Run(st, ids, prompt_logprobs, temp, start == 0)
+    return Run(await rt.open_generation(GenerationRequest(
+        owner, req.to_params(limit, choice), req.model, req.session_id, prompt, transcript=transcript, follow=follow,
+        echo_logprobs=echo_logprobs, logprobs=logprobs, constraint=constraint, one_body=not req.stream)))
 
 
 def _runs(req: OpenAISampling, count: int) -> None:
@@ -118,6 +87,11 @@ def _runs(req: OpenAISampling, count: int) -> None:
         raise APIError(422, "invalid_request", f"prompts x best_of (or n) = {count} exceeds {MAX_RUNS}")
     if count > 1 and req.session_id:
         raise APIError(400, "invalid_request", "session_id continues one session: send one prompt with n = 1")
+
+
+def _at_once(rt: Runtime, first: Run, count: int) -> int:
+    """How many of a request's choices may generate together (one choice: no question to ask)."""
+    return rt.admission.at_once(first.stream.eng) if count > 1 else 1
 
 
 async def _gone(request: Request) -> None:
@@ -357,7 +331,7 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
         return await _run(rt, req, owner, prompts[k // best], want if req.echo else None, lp, k % best, constraint=wanted)
 
     first = await start(0)
-    choices = Choices(start, first, len(prompts) * best, best, rt.admission.at_once(first.stream.eng))
+    choices = Choices(start, first, len(prompts) * best, best, _at_once(rt, first, len(prompts) * best))
     base = {"id": f"cmpl-{first.session.id[5:21]}", "object": "text_completion", "created": int(time.time()),
             "model": first.session.model}
 
@@ -438,7 +412,7 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
         return await _run(rt, req, owner, text, None, lp, k, transcript=True, follow="\n\n", constraint=wanted)
 
     first = await start(0)
-    choices = Choices(start, first, req.n, req.n, rt.admission.at_once(first.stream.eng))
+    choices = Choices(start, first, req.n, req.n, _at_once(rt, first, req.n))
     base = {"id": f"chatcmpl-{first.session.id[5:21]}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": first.session.model}
 

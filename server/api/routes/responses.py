@@ -20,13 +20,13 @@ from ...core.errors import APIError, StoreUnavailable
 from ...engine.prompts import context_phrase
 from ...runtime import responses
 from ...runtime.constraints import error_status
+from ...runtime.generation import separator
 from ...sessions.responses import new_response_id
 from ...sessions.session import new_id
 from ..openai_schemas import chat_prompt
 from ..responses_schemas import CreateResponse, messages, unsupported
 from ..streaming import collect, events, sse_response
 from .deps import RT, json_body
-from .openai import _separator
 
 router = APIRouter(prefix="/v1/responses", tags=["openai"])
 
@@ -76,7 +76,7 @@ def render(msgs):
     """-> render(tail): the request's messages as the chat template writes them, after the text
     of a state that ends in `tail` (None: a new conversation)."""
     text = chat_prompt(msgs)
-    return lambda tail: text if tail is None else _separator(tail) + text
+    return lambda tail: text if tail is None else separator(tail) + text
 
 
 @router.post("")

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from ...core.auth import Owner
 from ...core.errors import APIError, invalid
+from ...runtime.generation import GenerationRequest
 from ...runtime.rewind import fork_at, rewind as rewind_to
 from ..schemas import CreateSession, Generate, Push, Restore
 from ..state_schemas import Fork, Rewind
@@ -86,14 +87,11 @@ async def push(sid: str, owner: Owner, req: Push, rt: RT):
 
 @router.post("/{sid}/generate", responses=SSE)
 async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
-    params = req.to_params(rt.settings.max_new_tokens)
-    wanted = constraint(req)  # guided_*: this generation only; the session goes on freely after it
-    async with rt.use(sid, owner, release=False) as s:  # released once the final state is persisted
-        matcher = await rt.constrain(rt.engines[s.model], wanted, owner)
-        # one JSON body: if its client leaves before it is ready, the session goes back to this
-        undo = None if req.stream else await rt.mark(s)
-        st = rt.generate(s, params, req.logprobs, matcher)
-        st.undo = undo
+    # guided_*: this generation only, the session goes on freely after it; answered in one JSON
+    # body, the session goes back to where it was if its client leaves before the body is ready
+    st = await rt.open_generation(GenerationRequest(
+        owner, req.to_params(rt.settings.max_new_tokens), session_id=sid, logprobs=req.logprobs,
+        constraint=constraint(req), one_body=not req.stream))
     if req.stream:
         return sse_response(sse(st), st.let_go, rt.settings)
     return json_body(await collect(st))

@@ -11,21 +11,21 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 def test_max_tokens_defaults():
     assert DEFAULT_MAX_TOKENS == SamplingParams().max_tokens
     assert Generate().to_params(4096).max_tokens == DEFAULT_MAX_TOKENS
-    assert Completion().to_params(4096, 100).max_tokens == COMPLETION_MAX_TOKENS
-    assert Completion(max_tokens=None).to_params(4096, 100).max_tokens == COMPLETION_MAX_TOKENS
-    assert Chat(**CHAT).to_params(4096, 100).max_tokens == DEFAULT_MAX_TOKENS
-    assert Chat(**CHAT, max_tokens=7).to_params(4096, 100).max_tokens == 7
-    assert Chat(**CHAT, max_tokens=7, max_completion_tokens=3).to_params(4096, 100).max_tokens == 3
+    assert Completion().to_params(4096).max_tokens == COMPLETION_MAX_TOKENS
+    assert Completion(max_tokens=None).to_params(4096).max_tokens == COMPLETION_MAX_TOKENS
+    assert Chat(**CHAT).to_params(4096).max_tokens == DEFAULT_MAX_TOKENS
+    assert Chat(**CHAT, max_tokens=7).to_params(4096).max_tokens == 7
+    assert Chat(**CHAT, max_tokens=7, max_completion_tokens=3).to_params(4096).max_tokens == 3
 
 
 def test_to_params_carries_every_field():
     p = Generate(max_tokens=5, temperature=0.5, top_k=3, top_p=0.9, seed=11, stop="x").to_params(10)
     assert p == SamplingParams(5, 0.5, 3, 0.9, 11, ["x"])
     q = Completion(seed=11, logit_bias={4: 2.0}, presence_penalty=0.5, frequency_penalty=-0.5, stop=["a", "b"])
-    first, second = q.to_params(64, 100, 0), q.to_params(64, 100, 1)
+    first, second = q.to_params(64, 0), q.to_params(64, 1)
     assert (first.seed, first.logit_bias, first.presence_penalty, first.frequency_penalty, first.stop) == \
         (11, {4: 2.0}, 0.5, -0.5, ["a", "b"])
-    assert second.seed != first.seed and q.to_params(64, 100, 1).seed == second.seed  # per choice, reproducible
+    assert second.seed != first.seed and q.to_params(64, 1).seed == second.seed  # per choice, reproducible
 
 
 def test_to_params_refuses_what_the_server_cannot_serve():
@@ -33,11 +33,8 @@ def test_to_params_refuses_what_the_server_cannot_serve():
         Generate(max_tokens=11).to_params(10)
     assert (e.value.status, e.value.type) == (413, "max_tokens_too_large") and "max_tokens=11 exceeds 10" in e.value.message
     with pytest.raises(APIError) as e:
-        Chat(**CHAT, max_completion_tokens=11).to_params(10, 100)
+        Chat(**CHAT, max_completion_tokens=11).to_params(10)
     assert e.value.status == 413
-    with pytest.raises(APIError) as e:
-        Completion(logit_bias={100: 1.0}).to_params(10, 100)
-    assert (e.value.status, e.value.type) == (400, "invalid_token")
 
 
 def test_gemm_onednn_needs_float32_cpu_weights():
