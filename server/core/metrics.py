@@ -1,9 +1,17 @@
-"""Prometheus metrics (prometheus-client), one registry per app so several apps can coexist."""
+"""Prometheus metrics (prometheus-client), one registry per app so several apps can coexist.
+Names and units follow Prometheus's conventions (seconds, bytes, `_total` counters) and, where
+vLLM has the same series, vLLM's (`num_requests_running`, `e2e_request_latency_seconds`)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
+
+from .build import build
 
 LATENCY_BUCKETS = (.0005, .001, .002, .003, .005, .0075, .01, .015, .02, .03, .05, .075, .1, .2, .5, 1, 2, 5)
+# a whole request: a health check's milliseconds to a long generation's minutes
+REQUEST_BUCKETS = (.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
 class Metrics:
@@ -44,8 +52,8 @@ class Metrics:
                                            "Prompt tokens not prefilled thanks to the prefix cache", ["model"], registry=r)
         self.prefix_evictions = Counter("linstream_prefix_cache_evictions", "Prefix states dropped for the byte budget",
                                         ["model"], registry=r)
-        self.prefix_bytes = Gauge("linstream_prefix_cache_bytes", "Bytes of prefix states held", registry=r)
-        self.prefix_entries = Gauge("linstream_prefix_cache_entries", "Prefix states held", registry=r)
+        self.prefix_bytes = Gauge("linstream_prefix_cache_bytes", "Bytes of prefix states held", ["model"], registry=r)
+        self.prefix_entries = Gauge("linstream_prefix_cache_entries", "Prefix states held", ["model"], registry=r)
         self.prefix_tier_hits = Counter("linstream_prefix_tier_hits", "Requests started from a prefix state read from Redis",
                                         ["model"], registry=r)
         self.prefix_tier_written = Counter("linstream_prefix_tier_written_bytes", "Bytes of prefix states written to Redis",
@@ -54,11 +62,27 @@ class Metrics:
                                  "served them last (or this one restarted)", ["model"], registry=r)
         self.lease_takeovers = Counter("linstream_lease_takeovers", "Session leases taken from a replica found dead",
                                        registry=r)
+        self.running = Gauge("linstream_num_requests_running", "Generations in the decode batch", ["model"], registry=r)
+        self.waiting = Gauge("linstream_num_requests_waiting", "Generations and prefills waiting to start", ["model"],
+                             registry=r)
+        self.finished = Counter("linstream_generations_finished", "Generations ended, by finish reason (stop, length, "
+                                "cancelled, shutdown, error)", ["model", "finish_reason"], registry=r)
+        self.e2e = Histogram("linstream_e2e_request_latency_seconds", "A request from its arrival to the end of its "
+                             "response (a stream's last event)", ["route"], buckets=REQUEST_BUCKETS, registry=r)
+        Info("linstream_build", "This server's version, torch's, and the kind of our matmul this CPU runs",
+             registry=r).info({k: str(v or "none") for k, v in build().items()})
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...
+
+    def observe_engines(self, engines: dict) -> None:
+        """The gauges read off each engine when /metrics is scraped: generations stepping and waiting."""
+        for name, eng in engines.items():
+            self.running.labels(name).set(sum(j.t_start is not None for j in list(eng.jobs)))
+            self.waiting.labels(name).set(eng.queue_depth)
 
 
 class CountRequests:
     """ASGI middleware: `linstream_requests{route, status}` for every HTTP request, counted when
-    its response ends. The route is its template ("/v1/sessions/{sid}/push"), as FastAPI's router
+    its response ends, and its time in `linstream_e2e_request_latency_seconds{route}`. The route is its template ("/v1/sessions/{sid}/push"), as FastAPI's router
     or the hot routes (server/api/hot_routes.py: scope["linstream.route"]) matched it, or "unmatched", so
     that no client can grow the set of labels; the status is "none" where no response was
     sent (the client left first)."""
@@ -69,7 +93,7 @@ class CountRequests:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = "none"
+        status, t0 = "none", time.perf_counter()
 
         async def sending(msg):
             nonlocal status
@@ -83,3 +107,4 @@ class CountRequests:
             rt = getattr(scope["app"].state, "runtime", None)
             if rt is not None:
                 rt.metrics.requests.labels(route, status).inc()
+                rt.metrics.e2e.labels(route).observe(time.perf_counter() - t0)

@@ -721,6 +721,8 @@ class Engine:
         self.texts.pop(id(j), None)
         if j.finish is None:
             j.finish = "cancelled" if j.cancelled else "length"
+        if self.metrics is not None:
+            self.metrics.finished.labels(self.name, j.finish).inc()
         if j.on_finish:
             j.on_finish(j)
         self._post(j.loop, j.finished.set)

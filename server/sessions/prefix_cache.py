@@ -65,6 +65,7 @@ class PrefixCache:
         self.texts: dict[bytes, bytes] = {}  # text key -> entry key
         self.text_lengths: dict[tuple[str, str], Counter[int]] = {}  # UTF-8 lengths of the texts held
         self.nbytes = 0
+        self.held = Counter(), Counter()  # bytes and entries per model (the gauges)
         self.hits = self.misses = self.saved = self.evictions = 0
         self.tier = None  # a PrefixTier (prefix_tier.py): every entry kept is written there too
 
@@ -130,6 +131,8 @@ class PrefixCache:
             self.texts[e.text] = key
             _count(self.text_lengths, e.where, e.text_len, 1)
         self.nbytes += e.nbytes
+        self.held[0][model] += e.nbytes
+        self.held[1][model] += 1
         while self.nbytes > self.budget:
             self._evict()
         self._gauges()
@@ -140,6 +143,8 @@ class PrefixCache:
     def _evict(self) -> None:
         _, e = self.entries.popitem(last=False)
         self.nbytes -= e.nbytes
+        self.held[0][e.where[0]] -= e.nbytes
+        self.held[1][e.where[0]] -= 1
         _count(self.lengths, e.where, e.length, -1)
         if e.text:
             del self.texts[e.text]
@@ -150,8 +155,9 @@ class PrefixCache:
 
     def _gauges(self) -> None:
         if self.metrics:
-            self.metrics.prefix_bytes.set(self.nbytes)
-            self.metrics.prefix_entries.set(len(self.entries))
+            for model in self.held[0]:
+                self.metrics.prefix_bytes.labels(model).set(self.held[0][model])
+                self.metrics.prefix_entries.labels(model).set(self.held[1][model])
 
 
 # Stands for the start of the next chat message (a role name) when a completion's re-sent form

@@ -44,6 +44,7 @@ async def metrics(request: Request, rt: RT):
     if not rt.settings.metrics_public:
         rt.keys.operator(request.headers.get("authorization"), rt.settings.metrics_key)
     rt.refresh_gauges()
+    rt.metrics.observe_engines(rt.engines)
     return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

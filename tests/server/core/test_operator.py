@@ -114,3 +114,35 @@ def test_wrong_key_is_invalid_api_key(server):
     with pytest.raises(openai.AuthenticationError) as e:
         client.models.list()
     assert e.value.code == "invalid_api_key"
+
+
+def scrape(c) -> dict[str, dict]:
+    """family name -> {(sample name, labels as sorted tuples): value}."""
+    r = c.get("/metrics", headers=OPS)
+    assert r.status_code == 200
+    return {f.name: {(s.name, tuple(sorted(s.labels.items()))): s.value for s in f.samples}
+            for f in text_string_to_metric_families(r.text)}
+
+
+def test_metrics_families_labels_and_a_request_moving_them(server):
+    before = scrape(server)
+    r = server.post("/v1/completions", headers=KEY, json={"model": "linear", "prompt": "Hello there", "max_tokens": 3})
+    assert r.status_code == 200
+    after = scrape(server)
+    model = (("model", "linear"),)
+    for family in ("linstream_num_requests_running", "linstream_num_requests_waiting"):
+        assert (family, model) in after[family]
+    finished = ("linstream_generations_finished_total", (("finish_reason", "length"), ("model", "linear")))
+    assert after["linstream_generations_finished"][finished] == before.get(
+        "linstream_generations_finished", {}).get(finished, 0) + 1
+    count = ("linstream_e2e_request_latency_seconds_count", (("route", "/v1/completions"),))
+    assert after["linstream_e2e_request_latency_seconds"][count] == \
+        before.get("linstream_e2e_request_latency_seconds", {}).get(count, 0) + 1
+    tokens = ("linstream_tokens_generated_total", model)
+    assert after["linstream_tokens_generated"][tokens] >= before["linstream_tokens_generated"].get(tokens, 0) + 3
+    (name, labels), = after["linstream_build_info"]
+    assert name == "linstream_build_info" and {"version", "torch", "kernel"} <= dict(labels).keys()
+    assert after["process_resident_memory_bytes"][("process_resident_memory_bytes", ())] > 0
+    assert after["process_cpu_seconds"][("process_cpu_seconds_total", ())] > 0
+    for family in ("linstream_prefix_cache_bytes", "linstream_prefix_cache_entries"):  # the prompt's state kept
+        assert after[family][(family, model)] > 0

@@ -135,7 +135,7 @@ async def test_streamed_chat_caches_and_keys_are_isolated(apps):
     assert cache.hits == hits + 1
     metrics = (await w.get("/metrics", headers=A)).text
     assert 'linstream_prefix_cache_hits_total{model="linear"}' in metrics
-    assert "linstream_prefix_cache_bytes " in metrics
+    assert 'linstream_prefix_cache_bytes{model="linear"}' in metrics
 
 
 @on_loop
