@@ -196,7 +196,8 @@ class Residency:
         """A session, busy, in a slot of its own (from `state`, else empty); `affinity`: the
         routing key its id starts with (session.new_session_id)."""
         s = Session(new_session_id(affinity), eng.name, None, owner, list(tokens), start, busy=True, ephemeral=ephemeral)
-        s.checkpoints = self.records.checkpoints()
+        if not ephemeral:  # (a temporary session keeps none: nothing rewinds it)
+            s.checkpoints = self.records.checkpoints()
         s.slot = await self._alloc(eng, state)
         self.sessions[s.id] = s
         return s

@@ -83,10 +83,41 @@ async function snapshot() {
   render();
 }
 
+// "at position": a fork there, or the position a rewind goes back to (docs/api.md, Rewind)
+const atPosition = () => ($("position").value === "" ? null : Number($("position").value));
+
 async function fork() {
-  const s = current();
-  const desc = await api("POST", `/v1/sessions/${s.id}/fork`);
-  addSession(desc, s.id, "fork", s.segments.map((g) => ({...g, inherited: true})));
+  const s = current(), p = atPosition();
+  const desc = await api("POST", `/v1/sessions/${s.id}/fork`, p === null ? undefined : {position: p});
+  const child = addSession(desc, s.id, p === null ? "fork" : `fork @${p}`, s.segments.map((g) => ({...g, inherited: true})));
+  if (p !== null) cutTo(child, (await api("GET", `/v1/sessions/${child.id}/history`)).text);
+  render();
+}
+
+async function rewind() {
+  const s = current(), p = atPosition();
+  if (p === null) throw Object.assign(new Error("give the position to go back to"), {type: "position"});
+  const r = await api("POST", `/v1/sessions/${s.id}/rewind`, {position: p});
+  cutTo(s, (await api("GET", `/v1/sessions/${s.id}/history`)).text);
+  s.samples = s.samples.filter(([x]) => x <= p);
+  $("last").textContent = `back at position ${r.position}: from the state kept at ${r.from_position}, `
+    + `${r.prefilled} tokens prefilled in ${r.prefill_ms} ms`;
+  await refresh(s);
+}
+
+// The session's text cut back to what its history holds (after a rewind, or a fork part way):
+// its segments kept as far as they reach, else the history as one.
+function cutTo(s, text) {
+  if (!textOf(s).startsWith(text)) {
+    s.segments = [{kind: "prompt", text}];
+    return;
+  }
+  let left = text.length;
+  s.segments = s.segments.map((g) => {
+    const t = g.text.slice(0, Math.max(0, left));
+    left -= t.length;
+    return {...g, text: t};
+  }).filter((g) => g.text);
 }
 
 async function restore(snap) {
@@ -271,7 +302,7 @@ function renderTree() {
 
 function renderControls() {
   const s = current(), streaming = !!ui.stream;
-  for (const id of ["generate", "push", "snapshot", "fork", "start"]) $(id).disabled = streaming || (id !== "start" && !s);
+  for (const id of ["generate", "push", "snapshot", "fork", "rewind", "start"]) $(id).disabled = streaming || (id !== "start" && !s);
   for (const b of document.querySelectorAll("button.restore")) b.disabled = streaming;
   $("stop").disabled = !streaming;
 }
@@ -310,6 +341,7 @@ on("gen-form", generate);
 on("push-form", pushText);
 $("snapshot").onclick = () => act(snapshot);
 $("fork").onclick = () => act(fork);
+$("rewind").onclick = () => act(rewind);
 $("stop").onclick = () => { if (ui.stream) ui.stream.ctrl.abort(); };
 render();
 act(loadModels);

@@ -109,3 +109,35 @@ async def test_refusals(client):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_position"
     assert (await client.post("/v1/sessions/sess_nope/rewind", json={"position": 0})).status_code == 404
     assert await history(client, sid) == PROMPT
+
+
+async def test_checkpoints_survive_a_spill_and_a_restart_on_the_disk_store(models, tmp_path):
+    """Written beside the session's record, read back by a rewind in a new server on the same store."""
+    store = f"disk:{tmp_path}"
+    app = app_of(models, store=store, max_sessions=2)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://a") as c:
+            sid = await made(c, PROMPT)
+            await greedy(c, sid, 20)
+            full = await history(c, sid)
+            assert (await c.post(f"/v1/sessions/{sid}/rewind", json={"position": 40})).status_code == 200
+            for _ in range(3):  # spilled: its slot given to others
+                await made(c, PROMPT[:5])
+            assert not (await c.get(f"/v1/sessions/{sid}")).json()["resident"]
+            r = await c.post(f"/v1/sessions/{sid}/rewind", json={"position": 35})
+            assert r.json()["from_position"] == 32 and r.json()["prefilled"] == 3
+    app = app_of(models, store=store)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://b") as c:
+            r = await c.post(f"/v1/sessions/{sid}/rewind", json={"position": 26})
+            assert r.status_code == 200 and r.json()["from_position"] == 24 and r.json()["prefilled"] == 2
+            assert await history(c, sid) == full[:26]
+            fresh = await made(c, full[:26])
+            assert await greedy(c, sid, 6) == await greedy(c, fresh, 6)
+            r = await c.post(f"/v1/sessions/{sid}/fork", json={"position": 17})
+            assert r.status_code == 201
+            child = r.json()["id"]
+            await c.delete(f"/v1/sessions/{sid}")  # its checkpoints go with it; the child's are its own
+            assert not [f for f in tmp_path.rglob("*") if sid in f.name]
+            r = await c.post(f"/v1/sessions/{child}/rewind", json={"position": 9})
+            assert r.json()["from_position"] == 8
