@@ -145,14 +145,24 @@ def _which(cmd: str) -> str | None:
     return shutil.which(cmd) or next((p for p in (f"/usr/sbin/{cmd}", f"/usr/bin/{cmd}") if os.access(p, os.X_OK)), None)
 
 
-def start_redis(port: int, workdir: str) -> subprocess.Popen:
+def redis_maxmemory() -> int:
+    """The started Redis's bound: a quarter of the machine's memory (the replicas need the rest)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError, AttributeError):  # not POSIX
+        return 4 << 30
+
+
+def start_redis(port: int, workdir: str, maxmemory: int | None = None) -> subprocess.Popen:
     """A redis-server on loopback `port` that keeps nothing on disk (the cluster's sessions last as
-    long as it does)."""
+    long as it does), bounded by `maxmemory` (default `redis_maxmemory()`) and evicting nothing at
+    it: a write it refuses is a 507 `store_full` (sessions/store.py), never a session dropped."""
     exe = _which("redis-server")
     if exe is None:
         raise SystemExit("--replicas needs a Redis: pass --store redis://HOST:PORT/DB or install redis-server")
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", workdir], stdout=subprocess.DEVNULL, preexec_fn=_ends_with_us())
+                             "--dir", workdir, "--maxmemory", str(maxmemory or redis_maxmemory()),
+                             "--maxmemory-policy", "noeviction"], stdout=subprocess.DEVNULL, preexec_fn=_ends_with_us())
     import redis
     r = redis.Redis(port=port)
     for _ in range(100):

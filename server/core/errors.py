@@ -28,6 +28,11 @@ class StoreUnavailable(Exception):
     a 503, retry later."""
 
 
+class StoreFull(StoreUnavailable):
+    """The store refuses a write for want of room (Redis at its maxmemory, which evicts nothing):
+    a 507; the session is kept in memory and written once there is room, as for an outage."""
+
+
 class APIError(Exception):
     def __init__(self, status: int, type: str, message: str, headers: dict | None = None, param: str | None = None,
                  code: str | None = None):
@@ -131,6 +136,9 @@ def response_for(e: Exception, path: str = "") -> JSONResponse:
         return _as_openai(e) if openai_route(path) else reply(e.type, e.message, e.status, e.headers, e.param, e.code)
     if isinstance(e, SnapshotError):
         return reply(e.kind, str(e), 400)
+    if isinstance(e, StoreFull):
+        return reply("store_full", f"the session store is full ({e}); nothing was changed unless this message "
+                     "says otherwise", 507)
     if isinstance(e, StoreUnavailable):
         return reply("store_unavailable", f"the session store cannot be reached ({e}); nothing was "
                      "changed unless this message says otherwise: retry shortly", 503, {"Retry-After": "1"})

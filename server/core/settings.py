@@ -142,6 +142,10 @@ class Settings(BaseSettings):
     prefix_tier_url: str = ""
     session_ttl: float = 0.0  # seconds idle before a session expires (0 = never)
     snapshot_ttl: float = 0.0  # seconds a snapshot is kept (0 = until deleted with the store)
+    # per-key quotas (sessions/quotas.py; 429 quota_exceeded past them, 0 = none): sessions and
+    # stored responses together, and snapshot bytes; unset: 1,000 and 4 GiB with API keys, none without
+    quota_sessions: int | None = Field(None, ge=0)
+    quota_snapshot_bytes: int | None = Field(None, ge=0)
     # state in the client's hands (docs/api.md#client-held-state): a state returned by an OpenAI
     # route is kept as a snapshot this many seconds (0 = as snapshot_ttl), and a state blob returned
     # or sent there is at most state_blob_bytes (400 naming the limit past it)

@@ -252,7 +252,7 @@ class Runtime:
             if job is not None:
                 job.state = None  # written: a KV cache's copy must not outlive the request
         except StoreUnavailable as e:
-            raise StoreUnavailable(f"{e}; the {len(ids)} tokens were applied: the session is at position {s.position} "
+            raise type(e)(f"{e}; the {len(ids)} tokens were applied: the session is at position {s.position} "
                                    "in this server's memory and is written to the store when it is back") from None
         return ms, job
 

@@ -21,6 +21,7 @@ from ..core.settings import Settings
 from ..engine.engine import Engine
 from .checkpoints import Checkpoints, checkpoint_key
 from .leases import Leases
+from .quotas import Quotas
 from .session import INLINE_TAIL, Session, SessionDamaged, Snapshot, decode_record, decode_tokens, encode_record
 from .store import StoreError, StoreUnavailable
 
@@ -38,6 +39,7 @@ class Records:
     def __init__(self, store, engines: dict[str, Engine], settings: Settings, metrics: Metrics,
                  leases: Leases | None):
         self.store, self.engines, self.settings, self.metrics, self.leases = store, engines, settings, metrics, leases
+        self.quotas = Quotas(settings)  # per key: its sessions (Residency.new) and snapshot bytes (below)
 
     async def read(self, sid: str) -> Stored | None:
         """A session from the store, None if there is none. A record that cannot be trusted
@@ -169,7 +171,10 @@ class Records:
             await self.store.delete(checkpoint_key(sid, p))
 
     async def put_snapshot(self, snap: Snapshot, blob: bytes, ttl: float | None = None) -> None:
-        await self.store.put(f"snap/{snap.id}", encode_record(snap.meta(), blob), ttl or self.settings.snapshot_ttl or None)
+        record, ttl = encode_record(snap.meta(), blob), ttl or self.settings.snapshot_ttl or None
+        self.quotas.check_snapshot(snap.owner, len(record))
+        await self.store.put(f"snap/{snap.id}", record, ttl)
+        self.quotas.kept_snapshot(snap.owner, len(record), ttl)
 
     async def snapshot(self, snapshot_id: str, owner: str) -> tuple[dict, bytes]:
         """A snapshot's (metadata, blob); someone else's is reported exactly like a missing one."""

@@ -194,7 +194,10 @@ class Residency:
     async def new(self, eng: Engine, owner: str, state: State | None = None, tokens=(), start: int = 0,
                   ephemeral: bool = False, affinity: str | None = None) -> Session:
         """A session, busy, in a slot of its own (from `state`, else empty); `affinity`: the
-        routing key its id starts with (session.new_session_id)."""
+        routing key its id starts with (session.new_session_id). 429 past the owner's quota of
+        sessions (sessions/quotas.py), before any work."""
+        if not ephemeral:
+            self.records.quotas.check_sessions(owner, self.sessions.values())
         s = Session(new_session_id(affinity), eng.name, None, owner, list(tokens), start, busy=True, ephemeral=ephemeral)
         if not ephemeral:  # (a temporary session keeps none: nothing rewinds it)
             s.checkpoints = self.records.checkpoints()
@@ -297,7 +300,7 @@ class Residency:
         except StoreUnavailable as e:
             self.records.clean(s)
             await self.drop(s)
-            raise StoreUnavailable(f"{str(e).split(';')[0]}; no session was created") from None
+            raise type(e)(f"{str(e).split(';')[0]}; no session was created") from None  # StoreFull stays one
         except BaseException:  # refused or cancelled part-way: the client was given no id, so nothing stays
             await asyncio.shield(self._abandon(s))
             raise

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from ..core.errors import StoreUnavailable
+from ..core.errors import StoreFull, StoreUnavailable
 
 KEY = re.compile(r"^[A-Za-z0-9_\-]{1,64}/[A-Za-z0-9_\-]{1,128}$")  # "<kind>/<id>"
 
@@ -260,21 +260,26 @@ class DiskStore:
 
 
 class RedisStore:
-    """Every call that cannot reach Redis (refused, reset, timed out) raises StoreUnavailable."""
+    """Every call that cannot reach Redis (refused, reset, timed out) raises StoreUnavailable; a
+    write Redis refuses at its maxmemory raises StoreFull (a 507). Run it with `maxmemory-policy
+    noeviction` (as `serve --replicas` does), so that it refuses a write rather than evict a session."""
 
     durable = True
 
     def __init__(self, url: str, prefix: str = "linstream:"):
         import redis.asyncio as redis
-        from redis.exceptions import ConnectionError, TimeoutError
+        from redis.exceptions import ConnectionError, OutOfMemoryError, TimeoutError
         self.r = redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
-        self.prefix, self.errors = prefix, (ConnectionError, TimeoutError, OSError)
+        self.prefix, self.errors, self.full = prefix, (ConnectionError, TimeoutError, OSError), OutOfMemoryError
 
     async def _do(self, op):
         try:
             return await op
         except self.errors as e:
             raise StoreUnavailable(f"redis: {e}") from None
+        except self.full as e:  # "command not allowed when used memory > 'maxmemory'"
+            raise StoreFull(f"redis refuses writes at its maxmemory ({e}); delete sessions, or raise its "
+                            "maxmemory") from None
 
     async def put(self, key, value, ttl=None):
         await self._do(self.r.set(self.prefix + check_key(key), value, px=None if ttl is None else max(1, int(ttl * 1000))))

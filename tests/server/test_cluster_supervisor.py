@@ -1,6 +1,6 @@
 """The `serve --replicas` supervisor as an operator may mistreat it: SIGKILLed, its replicas,
 HAProxy and redis-server end with it (the kernel's parent-death signal) instead of holding the
-ports; a second cluster on ports in use is refused in one line before it starts anything; a
+ports; its Redis is bounded and evicts nothing (a write refused is a 507); a second cluster on ports in use is refused in one line before it starts anything; a
 replica that cannot start at all stops the cluster instead of being started again forever."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import redis
 
 from harness.cluster import LocalCluster, tools_or_skip
 from linstream.cluster import STARTUP_FAILED, Cluster
@@ -38,6 +39,8 @@ def test_a_killed_supervisor_takes_its_children_and_a_busy_port_is_refused_in_on
         root = cluster.proc.pid
         children = [int(p) for p in Path(f"/proc/{root}/task/{root}/children").read_text().split()]
         assert len(children) == 3  # the replica, HAProxy, redis-server
+        config = redis.Redis(port=cluster.port + 2).config_get("maxmemory*")  # a session is refused, never evicted
+        assert config["maxmemory-policy"] == "noeviction" and int(config["maxmemory"]) > 0
         busy = subprocess.run([sys.executable, "-m", "linstream", "serve", "--replicas", "1", "--port", str(cluster.port),
                                "--model", "linear"], cwd=str(ROOT), capture_output=True, text=True, timeout=60)
         lines = busy.stderr.strip().splitlines()
