@@ -296,14 +296,17 @@ class AotStep:
         return list(dict.fromkeys(p.library.path for p in self.pieces))
 
     @classmethod
-    def build(cls, model: LM, options: dict, min_rows: int, max_rows: int, cache_dir: Path) -> AotStep:
+    def build(cls, model: LM, options: dict, min_rows: int, max_rows: int, cache_dir: Path, progress=None) -> AotStep:
         """The libraries for this model and settings: loaded from cache_dir, or exported and built
-        there first (an export and a C++ build each: slow, hence the cache)."""
+        there first (an export and a C++ build each: slow, hence the cache). `progress` (stepper.Progress)
+        is told the pieces done of the pieces to do."""
         names = [list(layer) for layer in model.init_state(1).layers]
         inside = weights_inside(options)
         spans = [(0, len(model.blocks), True, True)] if inside else pieces(len(model.blocks), model.cfg.layer_mixers)
         opened: dict[str, _Library] = {}
         built, out, inputs = [], [], None
+        if progress is not None:
+            progress.built, progress.pieces = 0, len(spans)
         for lo, hi, embed, head in spans:
             segment = _Segment(model, lo, hi, embed, head, names[lo:hi])
             key = _segment_key(model, segment, options, min_rows, max_rows)
@@ -321,6 +324,8 @@ class AotStep:
                     built.append(library)
                 opened[key] = _Library(library, n_in, 1 + segment.carry_out + n_state)
             out.append(_Piece(opened[key], lo, hi, segment, None if inside else _Held([t for _, t in tensors])))
+            if progress is not None:
+                progress.built += 1
         step = cls(model, out)
         step.built = built
         return step

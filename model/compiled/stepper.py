@@ -105,11 +105,34 @@ def compiler_missing() -> str | None:
     return None if compiler() else "no C++ compiler on PATH (g++, c++ or clang++; or set CXX)"
 
 
+class Progress:
+    """A compile's progress, logged every `every` seconds while it runs (a build takes minutes):
+    the pieces built of the pieces to build where the build says (AotStep.build), else the time."""
+
+    def __init__(self, label: str, every: float = 10.0):
+        self.label, self.every = label, every
+        self.built, self.pieces = 0, 0
+        self._over = threading.Event()
+        self._t0 = time.perf_counter()
+
+    def __enter__(self) -> "Progress":
+        threading.Thread(target=self._tick, name="compile-progress", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._over.set()
+
+    def _tick(self) -> None:
+        while not self._over.wait(self.every):
+            done = f"{self.built} of {self.pieces} pieces built" if self.pieces else "compiling"
+            log.info("decode step of %s: %s, %.0f s", self.label, done, time.perf_counter() - self._t0)
+
+
 class Stepper:
     """Decode steps for one model: compiled once warm, eager before that and for pinned rows."""
 
     def __init__(self, model: LM, mode: str = "auto", cache_dir: str | Path | None = None, background: bool = True,
-                 gemm: str = "own", runtime: str = "aoti", max_rows: int = 256):
+                 gemm: str = "own", runtime: str = "aoti", max_rows: int = 256, name: str = ""):
         if mode not in MODES:
             raise ValueError(f"compile mode {mode!r}: expected one of {', '.join(MODES)}")
         if gemm not in GEMMS:
@@ -117,6 +140,8 @@ class Stepper:
         if runtime not in RUNTIMES:
             raise ValueError(f"step runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
         self.model, self.gemm, self.runtime = model, gemm, runtime
+        self.label = f"model {name}" if name else f"a {model.cfg.mixer} model"  # in the compile's log lines
+        self.progress: Progress | None = None  # while it compiles
         self.cuda = model.embed.weight.device.type == "cuda"
         self.max_rows = max_rows  # CUDA graphs: the largest bucket (more rows step in pieces)
         self.compiled = None  # the compiled step once warm
@@ -185,7 +210,12 @@ class Stepper:
         t0 = time.perf_counter()
         if self.cuda:
             return self._warm_graphs(t0)
-        log.info("compiling the decode step (cache %s), serving eagerly meanwhile", os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        log.info("compiling the decode step of %s (cache %s), serving eagerly meanwhile", self.label,
+                 os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        with Progress(self.label) as self.progress:
+            self._warm_cpu(t0)
+
+    def _warm_cpu(self, t0: float) -> None:
         # frozen weights are constants: the template packs them only if nothing asks for their grads
         self.model.requires_grad_(False)
         # our kernel and the packed GEMMs are built ahead of time: oneDNN's reordered weights are
@@ -204,6 +234,7 @@ class Stepper:
         if not self.packed_in_place:
             tries.append(("blas", "dynamo", lambda: (self.model, LEGACY[0]), LEGACY[1]))
         for kernels, runtime, make, min_rows in tries:
+            self.progress.pieces = 0  # (AotStep.build counts its own)
             try:
                 model, options = make()
                 fn = self._aot(model, options, min_rows) if runtime == "aoti" else self._compile(model, options, min_rows)
@@ -216,7 +247,8 @@ class Stepper:
         self.min_rows, self.kernels, self.runtime = min_rows, kernels, runtime
         self.compiled, self.warm_s = fn, time.perf_counter() - t0
         ours = f", {kernel_kind()} kind" if kernels == "own" else ""  # model/kernels/cpu.py
-        log.info("compiled decode step ready in %.1f s (%s matmuls%s, %s)", self.warm_s, kernels, ours, runtime)
+        log.info("compiled decode step of %s ready in %.1f s (%s matmuls%s, %s)", self.label, self.warm_s, kernels,
+                 ours, runtime)
 
     def _own_unavailable(self) -> str | None:
         why = unavailable()
@@ -244,7 +276,8 @@ class Stepper:
         # AOTInductor's generated code is C++ throughout: cpp_wrapper is not one of its settings
         options = {k: v for k, v in options.items() if k != "cpp_wrapper"}
         with _COMPILING:
-            return AotStep.build(model, options, min_rows, MAX_ROWS, Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "aoti")
+            return AotStep.build(model, options, min_rows, MAX_ROWS, Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "aoti",
+                                 self.progress)
 
     def _compile(self, model: LM, options: dict, min_rows: int):
         # (dynamo is imported here, not for a library from the cache: it is costly at start-up)

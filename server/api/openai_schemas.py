@@ -2,7 +2,8 @@
 out of range is a 422 naming the field. Fields OpenAI defines that this server cannot honour
 (legacy functions, suffix) are parsed so that `unsupported` can refuse them with a 400 naming
 them, rather than ignored into a silent 200. What response_format, the guided_* fields and tools
-ask for is read by api/structured.py."""
+ask for is read by api/structured.py. Below them, the routes' response bodies (schemas.py,
+`ResponseBody`), as OpenAI's are, with this server's extensions named."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from linstream.model.sampling import SamplingParams
 
 from ..core.errors import APIError
 from .schemas import (DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, Body, Guided, Name, Prompt,
-                      Sampling, Tokens)
+                      ResponseBody, Sampling, Tokens, Usage)
 
 MAX_N = 16  # choices per prompt (n, best_of)
 MAX_PROMPTS = 128  # prompts in one completions request
@@ -201,3 +202,121 @@ class Detokenize(Body):
     model_config = ConfigDict(extra="ignore")
     model: Name | None = None
     tokens: Tokens
+
+
+# -- response bodies --------------------------------------------------------------------------
+
+class CompletionLogprobs(ResponseBody):
+    """OpenAI's legacy logprobs: one entry per token in each list."""
+    tokens: list[str]
+    token_logprobs: list[float | None] = Field(description="null for an echoed prompt's first token")
+    top_logprobs: list[dict[str, float] | None] = Field(description="the most likely tokens, and the token itself")
+    text_offset: list[int]
+
+
+class CompletionChoice(ResponseBody):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: CompletionLogprobs | None
+
+
+class TextCompletion(ResponseBody):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    session_id: str | None = Field(None, description="the session continued, when the request named one")
+
+
+class TopLogprob(ResponseBody):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(ResponseBody):
+    content: list[TokenLogprob]
+
+
+class CalledFunction(ResponseBody):
+    name: str
+    arguments: str = Field(description="the arguments as the JSON text generated")
+
+
+class ToolCall(ResponseBody):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class AssistantMessage(ResponseBody):
+    role: Literal["assistant"]
+    content: str | None = Field(description="null when the answer is tool calls")
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(ResponseBody):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletion(ResponseBody):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    session_id: str | None = Field(None, description="the session continued, when the request named one")
+
+
+class ModelCard(ResponseBody):
+    """A served model. A recurrent model has no context window: max_model_len is what one request
+    may carry (prompt + new tokens)."""
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    mixers: list[str] = Field(description="each layer's mixer")
+    parameters: int
+    fingerprint: str
+    vocab_size: int
+    max_model_len: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    state_bytes: int = Field(description="one session's state, in memory")
+    state_bytes_per_session: int = Field(description="at position 0")
+    kv_bytes_per_token: int = Field(description="0 for a state that does not grow")
+    softmax_kv_bytes_per_token: int = Field(description="what a softmax-attention KV cache would add per token")
+    weights: str
+    decode_step: str = Field(description="compiled, compiling or eager")
+    step_kernels: str | None
+    step_runtime: str | None
+    kernel: str | None = Field(description="the kind of our matmul its projections run on, if ours")
+    chat_template: dict[str, str] = Field(description="the chat template in force: its source (checkpoint, file "
+                                          "or built-in) and the first 12 hex digits of its sha256")
+
+
+class ModelList(ResponseBody):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Tokenized(ResponseBody):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class Detokenized(ResponseBody):
+    prompt: str = Field(description="the text (vLLM's name)")
+    content: str = Field(description="the same text (llama.cpp's name)")

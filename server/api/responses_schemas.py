@@ -5,6 +5,8 @@ Fields the Responses API defines that this server cannot honour (tools, a struct
 background mode, stored prompts and conversations, logprobs) are parsed so that `unsupported` can
 refuse them with a 400 naming them; the rest of what clients send (metadata, reasoning, include,
 truncation, user, ...) is taken and ignored, as OpenAI's own models ignore what does not apply.
+
+Below them, the response object and its parts as this server sends them (schemas.py, `ResponseBody`).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from linstream.model.sampling import SamplingParams
 
 from ..core.errors import APIError
 from .openai_schemas import MAX_MESSAGES, MAX_PARTS, MAX_TOOLS, Message
-from .schemas import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_SEED, Body, Name, Prompt
+from .schemas import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_SEED, Body, Name, Prompt, ResponseBody
 
 TEXT_PARTS = ("input_text", "output_text", "text")  # content parts read as text
 
@@ -120,3 +122,91 @@ def _text(item: InputItem, i: int) -> str:
             raise APIError(400, "unsupported_content", f"input[{i}].content[{j}]: part type {p.type!r} is not "
                            "supported; only text", param=f"input[{i}].content[{j}].type")
     return "".join(p.text or "" for p in item.content)
+
+
+# -- response bodies --------------------------------------------------------------------------
+
+class OutputText(ResponseBody):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class OutputMessage(ResponseBody):
+    id: str
+    type: Literal["message"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class ResponseError(ResponseBody):
+    code: str
+    message: str
+
+
+class IncompleteDetails(ResponseBody):
+    reason: Literal["max_output_tokens"]
+
+
+class CachedTokens(ResponseBody):
+    cached_tokens: int = Field(description="of the input, those the stored state of previous_response_id already held")
+
+
+class ReasoningTokens(ResponseBody):
+    reasoning_tokens: int
+
+
+class ResponseUsage(ResponseBody):
+    input_tokens: int = Field(description="the whole context, cached tokens included")
+    input_tokens_details: CachedTokens
+    output_tokens: int
+    output_tokens_details: ReasoningTokens
+    total_tokens: int
+
+
+class Reasoning(ResponseBody):
+    effort: None
+    summary: None
+
+
+class OutputFormat(ResponseBody):
+    type: Literal["text"]
+
+
+class OutputTextConfig(ResponseBody):
+    format: OutputFormat
+
+
+class ResponseObject(ResponseBody):
+    """A response (OpenAI's Responses API), as POST /v1/responses answers it and GET retrieves it."""
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    completed_at: int | None
+    error: ResponseError | None
+    incomplete_details: IncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputMessage]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    reasoning: Reasoning
+    store: bool
+    temperature: float
+    text: OutputTextConfig
+    tool_choice: str
+    tools: list[Any]
+    top_p: float
+    truncation: str
+    usage: ResponseUsage | None
+    metadata: dict[str, str]
+
+
+class ResponseDeleted(ResponseBody):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool

@@ -1,15 +1,22 @@
-"""Request bodies (pydantic). Response shapes are documented in docs/api.md.
+"""Request bodies (pydantic), and the session API's response bodies (`ResponseBody`).
 
 Every field is bounded here, at the edge, so that no value reaches the engine that it cannot
 serve: a value out of range is a 422 naming the field, and the bounds appear in the OpenAPI
 schema. Bounds that depend on the server's settings (max_new_tokens, max_prompt_tokens,
 max_prompt_bytes) and on the model (the vocabulary) are checked by the runtime as well.
 Every body derives from `Body`, which refuses text that is not valid Unicode (400).
+
+A response body's shape is a `ResponseBody`, named on its route's decorator with `answers` or
+`streamed`: the OpenAPI document shows it, and nothing checks it at run time. The routes build
+their bodies as dicts and encode them once with orjson (routes/deps.py, json_body); FastAPI's
+`response_model` would re-validate and re-encode the ones returned as dicts (dropping any field
+the model lacks) and skip the ones returned as a Response, the hot routes among them. The tests
+hold each route's live answers to its model (tests/server/api/test_openapi_responses.py).
 """
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -126,3 +133,121 @@ class Restore(Body):
     model_config = ConfigDict(extra="forbid")
     snapshot_id: Name
     model: Name | None = None
+
+
+# -- response bodies --------------------------------------------------------------------------
+
+class ResponseBody(BaseModel):
+    """A response body. Every field the server sends is named: a body with another one fails
+    validation (in the tests, and in schemathesis' check of answers against the document)."""
+    model_config = ConfigDict(extra="forbid")
+
+
+def answers(model: type[ResponseBody], status: int = 200, **more) -> dict:
+    """A route's `responses=`: its `status` answer is `model` (documented, not enforced)."""
+    return {status: {"model": model, **more}}
+
+
+def streamed(model: type[ResponseBody]) -> dict:
+    """`responses=` of a route that streams SSE, or answers `model` as one JSON body (stream=false)."""
+    return answers(model, description="an SSE stream (stream=true) or one JSON body",
+                   content={"text/event-stream": {"schema": {"type": "string"}}})
+
+
+# GET /v1/sessions/{id}/state: the state blob, not JSON
+STATE_BLOB = {200: {"description": "the state blob (safetensors)",
+                    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+
+
+class SessionInfo(ResponseBody):
+    id: str
+    model: str
+    position: int = Field(description="tokens the state has taken in")
+    state_bytes: int
+    created_at: float = Field(description="Unix time")
+    last_used_at: float = Field(description="Unix time")
+    resident: bool = Field(description="its state is in memory (else only in the store)")
+    busy: bool = Field(description="a request is using it")
+
+
+class SessionList(ResponseBody):
+    data: list[SessionInfo]
+
+
+class History(ResponseBody):
+    id: str
+    position: int
+    history_start: int = Field(description="the position of tokens[0] (earlier ones are not kept)")
+    tokens: list[int]
+    text: str
+
+
+class Pushed(ResponseBody):
+    position: int
+    prefill_ms: float
+    tokens: int = Field(description="tokens pushed")
+
+
+class Usage(ResponseBody):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Timings(ResponseBody):
+    queue_ms: float
+    ttft_ms: float
+    per_token_ms: float | None = Field(description="null with fewer than two tokens")
+
+
+class GenerationError(ResponseBody):
+    type: str = Field(description="invalid_grammar or generation_failed")
+    message: str
+    param: str | None = None
+
+
+class Generation(ResponseBody):
+    """A session's generation as one body (stream=false): its tokens, then the done event's fields."""
+    tokens: list[int]
+    text: str
+    finish_reason: Literal["stop", "length", "cancelled", "shutdown", "error"]
+    usage: Usage
+    timings: Timings
+    persisted: bool = Field(description="false: the store was unreachable; the session is kept in memory")
+    error: GenerationError | None = Field(None, description="only with finish_reason error")
+    logprobs: list[tuple[float, dict[str, float] | None]] | None = Field(
+        None, description="(logprob, {token text: logprob} of the most likely) per token, when asked for")
+
+
+class Rewound(SessionInfo):
+    """The session after a rewind, and how it got there."""
+    from_position: int = Field(description="the checkpoint it started from")
+    prefilled: int = Field(description="tokens of its history prefilled from there")
+    prefill_ms: float
+
+
+class Snapshot(ResponseBody):
+    snapshot_id: str
+    position: int
+    bytes: int
+    model: str
+
+
+class Health(ResponseBody):
+    status: Literal["ok", "draining"]
+
+
+class Build(ResponseBody):
+    version: str
+    torch: str
+    kernel: str | None = Field(description="the kind of our matmul this CPU runs; null where none")
+
+
+class KeyUsage(ResponseBody):
+    """The caller's key's use since the server started."""
+    object: Literal["usage"]
+    prompt_tokens: int
+    completion_tokens: int
+    generations: int
+    generating: int = Field(description="its generations running now")
+    sessions: int = Field(description="its sessions held now")

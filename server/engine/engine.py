@@ -96,7 +96,7 @@ class Engine:
                  gemm: str = "own", step_runtime: str = "aoti"):
         self.name, self.model, self.tok = name, model, tok
         self.stepper = Stepper(model, compile, gemm=gemm, runtime=step_runtime,  # model.step, compiled once warm
-                               max_rows=max_batch)  # (model/compiled/stepper.py)
+                               max_rows=max_batch, name=name)  # (model/compiled/stepper.py)
         self.pool: State = model.init_state(1).pool(slots)  # zeroed page by page as sessions take slots
         self.slots = slots
         self.kv_token_bytes = kv_token_bytes(self.pool)  # a position of one row's KV caches (0: none)

@@ -25,7 +25,9 @@ from ...runtime.constraints import Constraint, error_status
 from ...runtime.generation import GenerationRequest
 from ...runtime.runtime import Runtime
 from ...sessions.session import Session
-from ..openai_schemas import MAX_RUNS, Chat, Completion, OpenAISampling, chat_prompt, unsupported
+from ..openai_schemas import (MAX_RUNS, Chat, ChatCompletion, Completion, ModelCard, ModelList, OpenAISampling, TextCompletion,
+                              chat_prompt, unsupported)
+from ..schemas import answers, streamed
 from ..streaming import DONE_FRAME, Gathered, Stream, data_frame, events, sse_response
 from ..structured import Calls, check, constraint, tool_plan
 from .deps import RT, json_body
@@ -309,7 +311,7 @@ async def _token_prompts(rt, eng: Engine, prompts: list) -> list[list[int]]:
     return out
 
 
-@router.post("/completions")
+@router.post("/completions", responses=streamed(TextCompletion))
 async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
     unsupported(req)
     prompts, n = _prompts(req), req.n
@@ -392,7 +394,7 @@ def _chat_logprobs(tok, entries) -> dict:
                         for t, lp, top in entries]}
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", responses=streamed(ChatCompletion))
 async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
     unsupported(req)
     if req.top_logprobs is not None and not req.logprobs:
@@ -488,12 +490,12 @@ def model_card(rt, name: str, e: Engine) -> dict:
             "kernel": e.stepper.kernel_kind}
 
 
-@router.get("/models")
+@router.get("/models", responses=answers(ModelList))
 async def models(rt: RT, owner: Owner):
     return {"object": "list", "data": [model_card(rt, name, e) for name, e in rt.engines.items()]}
 
 
-@router.get("/models/{model:path}")
+@router.get("/models/{model:path}", responses=answers(ModelCard))
 async def model(model: str, rt: RT, owner: Owner):
     """One served model's entry (the SDK's models.retrieve); 404 model_not_found for any other."""
     return model_card(rt, model, rt.engine(model))

@@ -24,7 +24,8 @@ from ...runtime.generation import separator
 from ...sessions.responses import new_response_id
 from ...sessions.session import new_id
 from ..openai_schemas import chat_prompt
-from ..responses_schemas import CreateResponse, messages, unsupported
+from ..responses_schemas import CreateResponse, ResponseDeleted, ResponseObject, messages, unsupported
+from ..schemas import answers, streamed
 from ..streaming import collect, events, sse_response
 from .deps import RT, json_body
 
@@ -79,7 +80,7 @@ def render(msgs):
     return lambda tail: text if tail is None else separator(tail) + text
 
 
-@router.post("")
+@router.post("", responses=streamed(ResponseObject))
 async def create(req: CreateResponse, rt: RT, owner: Owner):
     unsupported(req)
     msgs = messages(req)
@@ -148,12 +149,12 @@ async def _events(draft: Draft, turn: responses.Turn, owner: str):
         yield event(f"response.{out['status']}", response=out)
 
 
-@router.get("/{rid}")
+@router.get("/{rid}", responses=answers(ResponseObject))
 async def retrieve(rid: str, rt: RT, owner: Owner):
     return json_body(await responses.retrieve(rt, rid, owner))
 
 
-@router.delete("/{rid}")
+@router.delete("/{rid}", responses=answers(ResponseDeleted))
 async def delete(rid: str, rt: RT, owner: Owner):
     await responses.delete(rt, rid, owner)
     return json_body({"id": rid, "object": "response.deleted", "deleted": True})

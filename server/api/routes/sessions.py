@@ -12,7 +12,8 @@ from ...core.auth import Owner
 from ...core.errors import APIError, invalid
 from ...runtime.generation import GenerationRequest
 from ...runtime.rewind import fork_at, rewind as rewind_to
-from ..schemas import CreateSession, Generate, Push, Restore
+from ..schemas import (STATE_BLOB, CreateSession, Generate, Generation, History, Push, Pushed, Restore, Rewound, SessionInfo,
+                       SessionList, Snapshot, answers, streamed)
 from ..state_schemas import Fork, Rewind
 from ..streaming import collect, sse, sse_response
 from ..structured import constraint
@@ -24,13 +25,13 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 Affinity = Annotated[str | None, Header(alias="X-Session-Affinity", description="12 URL-safe characters the new id starts with")]
 
 
-@router.post("", status_code=201)
+@router.post("", status_code=201, responses=answers(SessionInfo, 201))
 async def create(req: CreateSession, rt: RT, owner: Owner, affinity: Affinity = None):
     s = await rt.create(req.model, req.prompt, req.tokens, owner, affinity=affinity)
     return json_body(rt.describe(s), 201)
 
 
-@router.get("")
+@router.get("", responses=answers(SessionList))
 async def list_sessions(rt: RT, owner: Owner):
     return {"data": [rt.describe(s) for s in rt.owned(owner)]}
 
@@ -38,11 +39,9 @@ async def list_sessions(rt: RT, owner: Owner):
 RESTORE_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": {"$ref": "#/components/schemas/Restore"}},
     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
-SSE = {200: {"description": "SSE stream (stream=true) or one JSON body",
-             "content": {"text/event-stream": {"schema": {"type": "string"}}, "application/json": {"schema": {"type": "object"}}}}}
 
 
-@router.post("/restore", status_code=201, openapi_extra=RESTORE_BODY)
+@router.post("/restore", status_code=201, openapi_extra=RESTORE_BODY, responses=answers(SessionInfo, 201))
 async def restore(request: Request, rt: RT, owner: Owner, affinity: Affinity = None):
     """Body: JSON {"snapshot_id"} or the raw state blob (application/octet-stream)."""
     ctype = request.headers.get("content-type", "")
@@ -63,12 +62,12 @@ async def restore(request: Request, rt: RT, owner: Owner, affinity: Affinity = N
     return rt.describe(s)
 
 
-@router.get("/{sid}")
+@router.get("/{sid}", responses=answers(SessionInfo))
 async def get(sid: str, owner: Owner, rt: RT):
     return json_body(rt.describe(await rt.find(sid, owner)))
 
 
-@router.get("/{sid}/history")
+@router.get("/{sid}/history", responses=answers(History))
 async def history(sid: str, owner: Owner, rt: RT):
     s = await rt.find(sid, owner)
     tok = rt.engines[s.model].tok
@@ -76,7 +75,7 @@ async def history(sid: str, owner: Owner, rt: RT):
             "tokens": list(s.tokens), "text": tok.decode(s.tokens)}
 
 
-@router.post("/{sid}/push")
+@router.post("/{sid}/push", responses=answers(Pushed))
 async def push(sid: str, owner: Owner, req: Push, rt: RT):
     s = await rt.find(sid, owner)
     ids = await rt.tokens_of(rt.engines[s.model], req.text, req.tokens)
@@ -85,7 +84,7 @@ async def push(sid: str, owner: Owner, req: Push, rt: RT):
     return json_body({"position": s.position, "prefill_ms": round(ms, 3), "tokens": len(ids)})
 
 
-@router.post("/{sid}/generate", responses=SSE)
+@router.post("/{sid}/generate", responses=streamed(Generation))
 async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
     # guided_*: this generation only, the session goes on freely after it; answered in one JSON
     # body, the session goes back to where it was if its client leaves before the body is ready
@@ -97,14 +96,14 @@ async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
     return json_body(await collect(st))
 
 
-@router.post("/{sid}/snapshot")
+@router.post("/{sid}/snapshot", responses=answers(Snapshot))
 async def snapshot(sid: str, owner: Owner, rt: RT):
     async with rt.use(sid, owner) as s:
         snap, nbytes = await rt.snapshot(s)
     return {"snapshot_id": snap.id, "position": snap.position, "bytes": nbytes, "model": snap.model}
 
 
-@router.get("/{sid}/state")
+@router.get("/{sid}/state", response_class=Response, responses=STATE_BLOB)
 async def state(sid: str, owner: Owner, rt: RT):
     async with rt.use(sid, owner) as s:
         blob = await rt.state_blob(s)
@@ -112,14 +111,14 @@ async def state(sid: str, owner: Owner, rt: RT):
                     headers={"Content-Disposition": f'attachment; filename="{sid}.safetensors"'})
 
 
-@router.post("/{sid}/fork", status_code=201)
+@router.post("/{sid}/fork", status_code=201, responses=answers(SessionInfo, 201))
 async def fork(sid: str, owner: Owner, rt: RT, req: Annotated[Fork | None, Body()] = None):
     async with rt.use(sid, owner) as s:  # at a position: from its nearest checkpoint (runtime/rewind.py)
         child = await (rt.fork(s) if req is None or req.position is None else fork_at(rt, s, req.position))
     return rt.describe(child)
 
 
-@router.post("/{sid}/rewind")
+@router.post("/{sid}/rewind", responses=answers(Rewound))
 async def rewind(sid: str, owner: Owner, req: Rewind, rt: RT):
     async with rt.use(sid, owner) as s:
         done = await rewind_to(rt, s, req.position)

@@ -1,19 +1,20 @@
 """Routes for operators and tools: health checks, the version, metrics, a key's usage, and
 vLLM's and llama.cpp's /tokenize and /detokenize."""
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ...core.auth import Owner
 from ...core.build import build
 from ...sessions.leases import INSTANCE
-from ..openai_schemas import Detokenize, Tokenize
+from ..openai_schemas import Detokenize, Detokenized, Tokenize, Tokenized
+from ..schemas import Build, Health, KeyUsage, answers
 from .deps import RT
 
 router = APIRouter(tags=["system"])
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])
+@router.api_route("/health", methods=["GET", "HEAD"], responses={**answers(Health), **answers(Health, 503)})
 async def health(rt: RT):
     """Readiness. Open to anyone, so it says only that the server is up: what it serves and holds
     is for key holders (/v1/models, /metrics). 503 once the server is shutting down (SIGTERM), so
@@ -26,20 +27,20 @@ async def health(rt: RT):
     return JSONResponse({"status": "ok"}, headers=headers)
 
 
-@router.api_route("/healthz", methods=["GET", "HEAD"])
+@router.api_route("/healthz", methods=["GET", "HEAD"], responses=answers(Health))
 async def healthz(rt: RT):
     """Liveness: 200 for as long as the process serves, draining included (an orchestrator that
     restarts a replica whose liveness fails must not cut its drain short)."""
     return JSONResponse({"status": "ok"}, headers={INSTANCE: rt.leases.me} if rt.leases else None)
 
 
-@router.get("/version")
+@router.get("/version", responses=answers(Build))
 async def version(owner: Owner):
     """The package's version, torch's, and the kind of our matmul this CPU runs (server/core/build.py)."""
     return build()
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)  # the Prometheus text format
 async def metrics(request: Request, rt: RT):
     if not rt.settings.metrics_public:
         rt.keys.operator(request.headers.get("authorization"), rt.settings.metrics_key)
@@ -48,7 +49,7 @@ async def metrics(request: Request, rt: RT):
     return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/usage")
+@router.get("/v1/usage", responses=answers(KeyUsage))
 async def usage(rt: RT, owner: Owner):
     """The caller's own use of the server since it started, its key's and no other's (/metrics,
     which tells of every key's, is the operator's)."""
@@ -56,7 +57,7 @@ async def usage(rt: RT, owner: Owner):
             "sessions": len(rt.owned(owner))}
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=answers(Tokenized))
 async def tokenize(req: Tokenize, rt: RT, owner: Owner):
     """As vLLM's and llama.cpp's servers answer it: the ids of `prompt` (or `content`)."""
     eng = rt.engine(req.model)
@@ -65,7 +66,7 @@ async def tokenize(req: Tokenize, rt: RT, owner: Owner):
     return {"tokens": ids, "count": len(ids), "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=answers(Detokenized))
 async def detokenize(req: Detokenize, rt: RT, owner: Owner):
     eng = rt.engine(req.model)
     ids = await rt.tokens_of(eng, None, req.tokens)  # checked against the vocabulary
