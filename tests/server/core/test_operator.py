@@ -146,3 +146,26 @@ def test_metrics_families_labels_and_a_request_moving_them(server):
     assert after["process_cpu_seconds"][("process_cpu_seconds_total", ())] > 0
     for family in ("linstream_prefix_cache_bytes", "linstream_prefix_cache_entries"):  # the prompt's state kept
         assert after[family][(family, model)] > 0
+
+
+def test_log_options_reach_uvicorn(tmp_path, monkeypatch):
+    """`--no-access-log` and `--log-format json` as uvicorn is started with them (its run
+    replaced: nothing listens)."""
+    import logging
+
+    import uvicorn
+    from linstream.cli import app
+    from linstream.server.core import logs
+    seen = {}
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.update(config=self.config))
+    ckpt = make_checkpoint(tmp_path, "tiny-linear")
+    try:
+        r = CliRunner().invoke(app, ["serve", "--allocator", "system", "-m", str(ckpt), "--no-access-log",
+                                     "--log-format", "json"])
+        assert r.exit_code == 0, r.output
+        config = seen["config"]
+        assert config.access_log is False and config.log_config["formatters"]["line"]["()"] is logs.Json
+    finally:  # the test process's loggers as they were
+        for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "linstream"):
+            logging.getLogger(name).handlers.clear()
+            logging.getLogger(name).propagate = True
