@@ -169,3 +169,19 @@ def test_log_options_reach_uvicorn(tmp_path, monkeypatch):
         for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "linstream"):
             logging.getLogger(name).handlers.clear()
             logging.getLogger(name).propagate = True
+
+
+def test_text_lines_name_the_request_and_where_replicas_meet_the_replica():
+    """As `serve` writes them with a Redis store (serve --replicas: several replicas' lines in one
+    terminal): the replica first, the request's id last."""
+    import logging
+
+    from linstream.server.core import logs
+    record = logging.LogRecord("linstream.engine", logging.INFO, __file__, 1, "slot %d freed", (3,), None)
+    token = logs.REQUEST_ID.set("req_1")
+    try:
+        logs.Context("host:8001").filter(record)
+    finally:
+        logs.REQUEST_ID.reset(token)
+    assert logs.Text(named=True).format(record) == "INFO:     [host:8001] linstream.engine: slot 3 freed [req_1]"
+    assert logs.Text().format(record) == "INFO:     linstream.engine: slot 3 freed [req_1]"
