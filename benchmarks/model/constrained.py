@@ -3,7 +3,7 @@
   parts     per token of a JSON-schema generation on the shipped tokenizer: the grammar taking
             the sampled token, the next mask (llguidance), the mask applied, and sampling one row
             with and without it (the quietest of several rounds)
-  emit      per token of one row, the engine's sampling path alone (Engine._emit), free and
+  emit      per token of one row, the engine's sampling path alone (emit.draw_tokens), free and
             constrained, taking turns token by token: what a constrained row adds to a step at
             batch 1, measured where a shared machine's load disturbs it least
   batch 1   per token of one stream, free and constrained, rounds alternating: the engine's own
@@ -42,6 +42,7 @@ from linstream.model.constrain import Grammars
 from linstream.model.generate import Generation, prefill
 from linstream.model.hf import load_checkpoint
 from linstream.model.sampling import SamplingParams, masked_logits, sample
+from linstream.server.engine.emit import draw_tokens
 from linstream.server.engine.engine import MASK_THREAD_ROWS, Engine
 from linstream.server.engine.jobs import Job
 
@@ -102,14 +103,14 @@ def parts(model, tok, tokens: int, rounds: int = 15) -> dict:
 
 
 def emit_path(model, tok, tokens: int, rounds: int = 15) -> dict:
-    """Microseconds per token of the engine's own sampling path for one row (Engine._emit: mask,
+    """Microseconds per token of the engine's own sampling path for one row (emit.draw_tokens: mask,
     sample, the grammar's take, the event, the next mask), without the step: a free row and a
     constrained one (its next mask computed at once, as the engine does for a single row). The
     two take turns token by token, so the machine's load falls on both alike; the quietest round
     of each."""
     loop = asyncio.new_event_loop()
     eng = Engine("emit", model, tok, 1, 512, 1)
-    eng.start()  # idle: its thread waits for work it is never given (_emit is called from here)
+    eng.start()  # idle: its thread waits for work it is never given (draw_tokens is called from here)
     logits = prefill(model, tok.encode(PROMPT), model.init_state(1)).next_logits  # (1, V)
     cases = ("free", "constrained")
     best = dict.fromkeys(cases, float("inf"))
@@ -120,7 +121,7 @@ def emit_path(model, tok, tokens: int, rounds: int = 15) -> dict:
         for _ in range(tokens):
             for k in cases:
                 t0 = time.perf_counter()
-                eng._emit([jobs[k]], logits, checked=True)
+                draw_tokens(eng, [jobs[k]], logits, checked=True)
                 took[k] += time.perf_counter() - t0
                 eng.outbox.clear()
         for k in cases:
@@ -160,7 +161,7 @@ def cpu_by_role(eng: Engine) -> dict[str, float]:
     """CPU seconds so far of the engine's thread and of its mask thread."""
     def cpu(t: threading.Thread) -> float:
         return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
-    masks = [eng._masker] if eng._masker is not None else []
+    masks = [eng.masks.thread] if eng.masks.thread is not None else []
     return {"engine": cpu(eng.thread), "masks": sum(cpu(t) for t in masks)}
 
 

@@ -1,17 +1,128 @@
-"""The plan of one engine iteration: how long the next prefill slice is, and which of the slot
-pool's rows a decode step runs over (views of a contiguous run, a span that includes a few idle
-rows, or gathered copies)."""
+"""The plan of one engine iteration (the first of plan → execute → emit): which push gets the
+prefill slice and how long it is, which jobs start, end or step, how a full step's rows are
+shared out by key, which short pushes run as rows of the step, and which of the slot pool's rows
+the step runs over (views of a contiguous run, a whole range that includes a few idle rows, or
+gathered copies). What it decides is a `StepPlan`; execute.py runs it."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from linstream.model.state import State
 
+from .jobs import Job, Prefill
 from .rollback import flat
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 EMA = 0.2  # weight of the newest measurement in the cost averages
 MAX_VIEWS = 4096  # cached row-run views: dropped all at once past this many
-SPAN_ROWS_PER_HOLE = 8  # a step over a span of slots may include one row it puts back per this many
+ROWS_PER_IDLE_ROW = 8  # a step over a whole range of slots may include one idle row it puts back per this many
+STEP_PREFILL = 4  # tokens: a push this short costs less as compiled steps than as one chunked pass
+
+
+@dataclass
+class StepPlan:
+    """One batched decode step: what each row consumes, and which of the pool's rows it runs over."""
+    jobs: list[Job]  # generations whose pending token the step consumes
+    pushes: list[Prefill]  # short pushes run as rows of the step, their next token each (batched_push)
+    rows: list[int]  # the pool's rows stepped, ascending; a whole range includes its idle rows
+    tokens: list[int]  # the token each row consumes (0 for an idle row)
+    index: dict[int, int]  # id(job or push) -> its row's index in `rows`
+    in_place: bool  # the rows are one contiguous run: stepped as views of the pool
+    idle: list[int]  # rows of the range that no job or push owns, put back after the step
+
+
+def take_stock(eng: Engine) -> tuple[list[Job], list[Job]]:
+    """Settle what changed since the last step: rollback copies no longer needed are dropped, a
+    cancelled job ends (its undelivered token rolled back) or takes one last step, a new job with
+    nothing to generate ends. -> (jobs to start: their first token comes from the logits their
+    row already holds, jobs ready to step)."""
+    starting, ready = [], []
+    for j in list(eng.jobs):
+        if j.saved is not None and j.yielded >= j.consumed:
+            j.saved = None  # delivered: no rollback needed, and the step's copy must not outlive it
+        if j.cancelled:
+            if j.yielded < j.consumed:  # consumed, never delivered: roll the row back
+                eng._roll_back(j)
+            if j.pending is not None and j.yielded >= j.emitted:
+                ready.append(j)  # delivered, not yet consumed: one last step
+            else:
+                j.pending = None  # never reached the client: not part of the session
+                eng._finish(j)
+        elif j.pending is None:  # a new job: its first token comes from the logits already held
+            if j.matcher is not None and j.matcher.ended:  # a grammar the empty text completes
+                j.finish = "stop"
+                eng._finish(j)
+            elif j.params.max_tokens == 0:
+                eng._finish(j)
+            else:
+                starting.append(j)
+        elif eng._may_consume(j):
+            ready.append(j)
+    return starting, ready
+
+
+def plan_step(eng: Engine, ready: list[Job]) -> StepPlan | None:
+    """The step over the jobs ready to step (shared out by key when there are more than a step
+    holds) and the short pushes that fit beside them; None when there is nothing to step."""
+    jobs = share_rows(ready, eng.max_batch)
+    busy = {j.slot for j in eng.jobs}
+    pushes = [p for p in eng.prefills if batched_push(eng, p) and p.slot not in busy][: eng.max_batch - len(jobs)]
+    if not jobs and not pushes:
+        return None
+    return lay_out_rows(eng, jobs, pushes)
+
+
+def lay_out_rows(eng: Engine, jobs: list[Job], pushes: list[Prefill]) -> StepPlan:
+    """The rows of a step over `jobs` and `pushes`, in slot order: a contiguous run steps in
+    place; a range with few idle rows steps whole (whole_range_cheaper); else rows are gathered."""
+    order = sorted([(j.slot, j.pending, j) for j in jobs] + [(p.slot, p.tokens[p.done], p) for p in pushes],
+                   key=lambda e: e[0])
+    rows, index = [e[0] for e in order], {id(e[2]): i for i, e in enumerate(order)}
+    in_place = rows == list(range(rows[0], rows[0] + len(rows)))  # select gives views: stepped in place
+    idle: list[int] = []
+    if not in_place and whole_range_cheaper(eng, rows):
+        lo, mine = rows[0], set(rows)
+        idle = [r for r in range(lo, rows[-1] + 1) if r not in mine]
+        order = sorted(order + [(r, 0, None) for r in idle], key=lambda e: e[0])
+        rows, in_place = list(range(lo, rows[-1] + 1)), True
+        index = {id(e[2]): e[0] - lo for e in order if e[2] is not None}
+    return StepPlan(jobs, list(pushes), rows, [e[1] for e in order], index, in_place, idle)
+
+
+def whole_range_cheaper(eng: Engine, rows: list[int]) -> bool:
+    """Step the whole range rows[0]..rows[-1] in place, idle rows included, instead of gathering
+    `rows` (idle_rows_cheap)? Only for the compiled step over pool views (no KV caches, no rows
+    still pinned to the eager step)."""
+    return (idle_rows_cheap(rows) and eng.pool_fits_step and not eng.stepper.pinned
+            and eng.stepper.status == "compiled")
+
+
+def batched_push(eng: Engine, p: Prefill) -> bool:
+    """Does this push run as a row of the decode steps, one token a step beside the streams? A
+    push of at most STEP_PREFILL tokens does once the step is compiled (logprobs are left to a
+    slice of its own): as a row of the batched step it costs a fraction of a step alone, and the
+    step's rows being batch-invariant, it ends in the very state the step alone would give."""
+    return (not p.own_slice and p.logprobs is None and 0 < len(p.tokens) <= STEP_PREFILL
+            and eng.stepper.status == "compiled")
+
+
+def next_prefill(eng: Engine) -> Prefill | None:
+    """The push to run a prefill slice of (the batched ones aside): keys take turns, one slice
+    each, so that one key's queue of long prompts delays another key's by a slice, not by all of
+    them; a key's own prefills run in the order they came."""
+    waiting = [p for p in eng.prefills if not batched_push(eng, p)]
+    if not waiting:
+        return None
+    keys = list(dict.fromkeys(p.owner for p in waiting))
+    after = keys.index(eng.last_prefill_owner) + 1 if eng.last_prefill_owner in keys else 0
+    key = keys[after % len(keys)]
+    eng.last_prefill_owner = key
+    return next(p for p in waiting if p.owner == key)
 
 
 def ema(avg: float | None, x: float) -> float:
@@ -33,16 +144,16 @@ def slice_len(chunk: int, min_slice: int, share: float, step_s: float | None, to
     return max(floor, min(chunk, int(share * step_s / token_s)))
 
 
-def share_rows(jobs: list, n: int) -> list:
+def share_rows(jobs: list[Job], n: int) -> list[Job]:
     """At most n of the jobs ready to step, shared out by key (`owner`) when there are more:
     each key's first job, then each one's second, and so on, so that a key with many
     generations cannot leave another's without a row."""
     if len(jobs) <= n:
         return jobs
-    by_key: dict[str, list] = {}
+    by_key: dict[str, list[Job]] = {}
     for j in jobs:
         by_key.setdefault(j.owner, []).append(j)
-    out: list = []
+    out: list[Job] = []
     for i in range(n):
         for queue in by_key.values():
             if i < len(queue):
@@ -52,15 +163,15 @@ def share_rows(jobs: list, n: int) -> list:
     return out[:n]
 
 
-def holes_cheap(rows: list[int]) -> bool:
-    """Is stepping the whole span rows[0]..rows[-1] (holes included) cheaper than gathering
-    `rows` into copies and writing them back? Rows are batch-invariant, so a hole's row changes
-    nothing for the others and is put back from the step's rollback copy after; a hole costs one
-    row of compute and one row's copy, a gathered row a copy each way, so up to one hole per
-    SPAN_ROWS_PER_HOLE rows keeps the span no dearer. Below that many rows, where a step's time
-    jumps with its row count, never."""
+def idle_rows_cheap(rows: list[int]) -> bool:
+    """Is stepping the whole range rows[0]..rows[-1] (idle rows included) cheaper than gathering
+    `rows` into copies and writing them back? Rows are batch-invariant, so an idle row changes
+    nothing for the others and is put back from the step's rollback copy after; an idle row costs
+    one row of compute and one row's copy, a gathered row a copy each way, so up to one idle row
+    per ROWS_PER_IDLE_ROW rows keeps the range no dearer. Below that many rows, where a step's
+    time jumps with its row count, never."""
     gaps = rows[-1] - rows[0] + 1 - len(rows)
-    return gaps <= len(rows) // SPAN_ROWS_PER_HOLE
+    return gaps <= len(rows) // ROWS_PER_IDLE_ROW
 
 
 class RowViews:
@@ -82,10 +193,10 @@ class RowViews:
             st = self.views[key] = self.pool.select(rows)
         return st
 
-    def put_back(self, holes: list[int], saved: State, lo: int) -> None:
-        """Rows `holes` of the pool from rows `hole - lo` of a step's rollback copy: row views and
+    def restore(self, idle: list[int], saved: State, lo: int) -> None:
+        """Rows `idle` of the pool from rows `row - lo` of a step's rollback copy: row views and
         one foreach copy."""
         dst, src = flat(self.pool, self.pool.layers), flat(saved, saved.layers)
-        torch._foreach_copy_([t[r] for r in holes for t in dst], [t[r - lo] for r in holes for t in src])
+        torch._foreach_copy_([t[r] for r in idle for t in dst], [t[r - lo] for r in idle for t in src])
 
 

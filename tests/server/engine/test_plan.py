@@ -4,13 +4,16 @@ Prefill interleaved with decoding: while a stream runs, a long push advances in 
 larger than the budget; the push ends in the state (and greedy continuation) it has alone, and
 the stream produces the tokens it produces alone.
 
-A decode step over a span of slots with holes (`Engine._span`): when the rows to step are nearly
-contiguous, the compiled step runs over the whole span in place and puts the holes back, instead
-of gathering the rows into copies. Every stream's tokens and final state are bit-identical to the
-stream run alone, and a hole's row (an idle session's, a free slot's) is exactly what it was."""
+A decode step over a range of slots with idle rows (`plan.whole_range_cheaper`): when the rows to
+step are nearly contiguous, the compiled step runs over the whole range in place and puts the
+idle rows back, instead of gathering the rows into copies. Every stream's tokens and final state
+are bit-identical to the stream run alone, and an idle row (an idle session's, a free slot's) is
+exactly what it was."""
 import asyncio
 
 import linstream.server.engine.engine as engine_mod
+import linstream.server.engine.execute as execute_mod
+import linstream.server.engine.plan as plan_mod
 import pytest
 import torch
 from linstream.model.compiled import compiler_missing
@@ -104,6 +107,7 @@ async def scenario(model, push: bool, stream: bool):
 @pytest.mark.parametrize("preset", ["tiny-linear", "tiny-softmax", "tiny-gla"])
 def test_push_interleaved_with_a_stream_is_sliced_and_changes_nothing(preset, monkeypatch):
     monkeypatch.setattr(engine_mod, "ema", lambda avg, x: avg)  # the pinned costs stay
+    monkeypatch.setattr(execute_mod, "ema", lambda avg, x: avg)
     torch.manual_seed(0)
     model = LM(PRESETS[preset]).eval()
     alone_tokens, *_ = asyncio.run(scenario(model, push=False, stream=True))
@@ -164,8 +168,8 @@ def test_span_step_with_holes_matches_each_stream_alone(monkeypatch, compiled):
     eng = Engine("m", model, Tok(), slots=2 * ROWS + 2, prefill_chunk=64, max_batch=64, compile="on")
     assert eng.stepper.wait(300), "the step did not compile"
     spans = []
-    real = eng._span
-    monkeypatch.setattr(eng, "_span", lambda rows: spans.append(real(rows)) or spans[-1])
+    real = plan_mod.whole_range_cheaper
+    monkeypatch.setattr(plan_mod, "whole_range_cheaper", lambda e, rows: spans.append(real(e, rows)) or spans[-1])
     prompts = [[1 + i % 60, 2 + i % 7, 3] for i in range(ROWS)]
 
     async def run():
@@ -206,11 +210,11 @@ def test_span_step_with_holes_matches_each_stream_alone(monkeypatch, compiled):
 def test_span_needs_a_compiled_step_and_few_holes(compiled):
     model = make_model(COMPILED)
     eager = Engine("m", model, Tok(), slots=32, prefill_chunk=64, max_batch=64, compile="off")
-    assert not eager._span([0, 1, 2, 3, 4, 5, 6, 7, 9])  # eager: gathered as before
+    assert not plan_mod.whole_range_cheaper(eager, [0, 1, 2, 3, 4, 5, 6, 7, 9])  # eager: gathered as before
     compiled(COMPILED)
     eng = Engine("m", model, Tok(), slots=32, prefill_chunk=64, max_batch=64, compile="on")
     assert eng.stepper.wait(300)
-    assert eng._span(list(range(8)) + [9])  # 8 rows, 1 hole
-    assert not eng._span(list(range(6)) + [7])  # 7 rows: no hole allowed
-    assert not eng._span(list(range(16)) + [19])  # 16 rows, 3 holes
-    assert eng._span(list(range(16)) + [18])  # 16 rows, 2 holes
+    assert plan_mod.whole_range_cheaper(eng, list(range(8)) + [9])  # 8 rows, 1 hole
+    assert not plan_mod.whole_range_cheaper(eng, list(range(6)) + [7])  # 7 rows: no hole allowed
+    assert not plan_mod.whole_range_cheaper(eng, list(range(16)) + [19])  # 16 rows, 3 holes
+    assert plan_mod.whole_range_cheaper(eng, list(range(16)) + [18])  # 16 rows, 2 holes

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-import linstream.server.engine.engine as engine_mod
+import linstream.server.engine.execute as execute_mod
 from linstream.model import WEIGHTS
 from linstream.model.compiled import Stepper, compiler_missing
 from linstream.model.generate import decode_one_token, prefill, prefill_by_steps, prefill_chunk
@@ -29,9 +29,9 @@ TOL = dict(atol=2e-5, rtol=1e-4)
 def spy(monkeypatch) -> list[str]:
     """The forms the engine's prefill slices ran, in order."""
     ran = []
-    steps, chunked = engine_mod.prefill_by_steps, engine_mod.prefill_chunk
-    monkeypatch.setattr(engine_mod, "prefill_by_steps", lambda *a: ran.append("steps") or steps(*a))
-    monkeypatch.setattr(engine_mod, "prefill_chunk", lambda *a, **k: ran.append("chunked") or chunked(*a, **k))
+    steps, chunked = execute_mod.prefill_by_steps, execute_mod.prefill_chunk
+    monkeypatch.setattr(execute_mod, "prefill_by_steps", lambda *a: ran.append("steps") or steps(*a))
+    monkeypatch.setattr(execute_mod, "prefill_chunk", lambda *a, **k: ran.append("chunked") or chunked(*a, **k))
     return ran
 
 
@@ -148,8 +148,8 @@ def test_short_pushes_ride_in_the_stream_steps_and_change_nothing(compiled_engin
     the ones it has with no push beside it."""
     eng = engine(compiled_engine_model)
     ran, rode = spy(monkeypatch), []
-    ride_on = Engine._ride_on
-    monkeypatch.setattr(Engine, "_ride_on", lambda self, p, ok: rode.append(p.slot) or ride_on(self, p, ok))
+    advance = execute_mod.advance_batched_push
+    monkeypatch.setattr(execute_mod, "advance_batched_push", lambda e, p, ok: rode.append(p.slot) or advance(e, p, ok))
     eng.start()
     try:
         toks, jobs = asyncio.run(stream_beside_pushes(eng, RIDERS))
@@ -172,14 +172,14 @@ def test_a_failed_step_sends_its_riders_to_steps_of_their_own(compiled_engine_mo
     the stream loses nothing."""
     eng = engine(compiled_engine_model)
     ran, failed = spy(monkeypatch), []
-    real = engine_mod.decode_one_token
+    real = execute_mod.decode_one_token
 
     def flaky(step, tokens, state, rows=None, checked=False):
         if len(rows) > 1 and not failed:
             failed.append(len(rows))
             raise RuntimeError("injected step fault")
         return real(step, tokens, state, rows, checked)
-    monkeypatch.setattr(engine_mod, "decode_one_token", flaky)
+    monkeypatch.setattr(execute_mod, "decode_one_token", flaky)
     eng.start()
     try:
         toks, jobs = asyncio.run(stream_beside_pushes(eng, RIDERS))
