@@ -14,7 +14,7 @@ from .deps import RT
 router = APIRouter(tags=["system"])
 
 
-@router.api_route("/health", methods=["GET", "HEAD"], responses={**answers(Health), **answers(Health, 503)})
+@router.get("/health", responses={**answers(Health), **answers(Health, 503)})
 async def health(rt: RT):
     """Readiness. Open to anyone, so it says only that the server is up: what it serves and holds
     is for key holders (/v1/models, /metrics). 503 once the server is shutting down (SIGTERM), so
@@ -27,11 +27,16 @@ async def health(rt: RT):
     return JSONResponse({"status": "ok"}, headers=headers)
 
 
-@router.api_route("/healthz", methods=["GET", "HEAD"], responses=answers(Health))
+@router.get("/healthz", responses=answers(Health))
 async def healthz(rt: RT):
     """Liveness: 200 for as long as the process serves, draining included (an orchestrator that
     restarts a replica whose liveness fails must not cut its drain short)."""
     return JSONResponse({"status": "ok"}, headers={INSTANCE: rt.leases.me} if rt.leases else None)
+
+
+# HEAD on the health checks (a load balancer's probe): the same answer, whose body the server leaves out
+for _path, _check in (("/health", health), ("/healthz", healthz)):
+    router.add_api_route(_path, _check, methods=["HEAD"], include_in_schema=False)
 
 
 @router.get("/version", responses=answers(Build))
