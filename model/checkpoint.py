@@ -180,21 +180,23 @@ class CheckpointDir:
         if not isinstance(header, dict):
             raise CheckpointError(f"{shard}: its safetensors header is not a JSON object")
         base, out = 8 + n, {}
+        path = self.file(shard)
+        assert path is not None  # open() found it
         for name, info in header.items():
             if name == "__metadata__":
                 continue
             try:
-                dtype, shape, (b, e) = STORED_DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
-                ok = all(_count(v) for v in (*shape, b, e)) and b <= e
+                dtype, shape, (start, end) = STORED_DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+                ok = all(_count(v) for v in (*shape, start, end)) and start <= end
             except (KeyError, TypeError, ValueError):
                 ok = False
             if not ok:
                 raise CheckpointError(f"{shard}: tensor {name!r} has no valid dtype, shape and data_offsets in its header")
             nbytes = math.prod(shape) * dtype.itemsize
-            if e - b != nbytes or base + e > size:
+            if end - start != nbytes or base + end > size:
                 raise CheckpointError(f"{shard}: tensor {name} ({info['dtype']} {shape}, {nbytes} bytes) does not fit "
-                                      f"its offsets {b}..{e} in a file of {size - base} data bytes")
-            out[name] = Stored(self.file(shard), dtype, tuple(shape), base + b, base + e)
+                                      f"its offsets {start}..{end} in a file of {size - base} data bytes")
+            out[name] = Stored(path, dtype, tuple(shape), base + start, base + end)
         return out
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 from dataclasses import dataclass, field
 
 # Fields added after the first checkpoints were trained are written to the config JSON only when
@@ -51,7 +52,7 @@ class ModelConfig:
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         for f in dataclasses.fields(self):
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
             if f.metadata.get("omit_default") and d[f.name] == default:
                 del d[f.name]
         return json.dumps(d, sort_keys=True)
@@ -59,7 +60,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names}
+        kw: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names}
         return cls(**kw)
 
 

@@ -60,7 +60,9 @@ class Block(nn.Module):
         else:
             y, state = run(h, state, pos)
         x = x + y
-        return (x if self.mlp is None else x + self.mlp(self.norm2(x))), state, carry  # x's shape
+        if self.mlp is not None and self.norm2 is not None:  # both or neither (mlp_ratio)
+            x = x + self.mlp(self.norm2(x))
+        return x, state, carry  # x's shape
 
 
 class LM(nn.Module):

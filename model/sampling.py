@@ -170,13 +170,13 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
     without a sort for rows without filters."""
     if any(p.adjusts for p in params):
         logits = adjust_logits(logits, params, counts or [{}] * len(params))
-    masked = [i for i, m in enumerate(masks or ()) if m is not None]
+    masked = {i: m for i, m in enumerate(masks or ()) if m is not None}  # row -> its mask
     if masked:
-        logits = masked_logits(logits, masked, [masks[i] for i in masked])
+        logits = masked_logits(logits, list(masked), list(masked.values()))
     out = _sample(logits, params, generators)
     drawn = out.numpy() if out.device.type == "cpu" else out.cpu().numpy()
-    for i in masked:  # a uniform of exactly 0 lands on the row's first token, whatever its weight
-        if masks[i][drawn[i]] < 0:
+    for i, mask in masked.items():  # a uniform of exactly 0 lands on the row's first token, whatever its weight
+        if mask[drawn[i]] < 0:
             out[i] = logits[i].argmax()
     return out
 

@@ -147,7 +147,7 @@ def read(path: Path, model: nn.Module) -> dict[str, str]:
     except (ValueError, KeyError, TypeError) as e:
         raise Damaged(f"{path.name}: its header is not readable ({e})") from None
     base = 8 + n
-    if meta.get("version") != VERSION or max((e for *_, e in entries.values()), default=0) != size - base:
+    if meta.get("version") != VERSION or max((end for *_, end in entries.values()), default=0) != size - base:
         raise Damaged(f"{path.name}: layout {meta.get('version')} or its length does not match its header")
     crc, view = 0, memoryview(m)
     for at in range(base, size, CHUNK):
@@ -157,11 +157,11 @@ def read(path: Path, model: nn.Module) -> dict[str, str]:
         raise Damaged(f"{path.name}: its data does not match its checksum")
     want = {k: v for k, v in model.state_dict(keep_vars=True).items() if v is not None}
     tensors = {}
-    for name, (dtype, shape, b, e) in entries.items():
+    for name, (dtype, shape, start, end) in entries.items():
         t = want.get(name)
-        if t is None or t.dtype != dtype or tuple(t.shape) != shape or (e - b) != t.numel() * t.element_size():
+        if t is None or t.dtype != dtype or tuple(t.shape) != shape or (end - start) != t.numel() * t.element_size():
             raise Damaged(f"{path.name}: {name} {dtype} {shape} is not what the model holds")
-        tensors[name] = torch.frombuffer(m, dtype=dtype, count=t.numel(), offset=base + b).view(shape) \
+        tensors[name] = torch.frombuffer(m, dtype=dtype, count=t.numel(), offset=base + start).view(shape) \
             if t.numel() else torch.empty(shape, dtype=dtype)
     missing = [k for k in want if k not in tensors and not _left_on_meta(model, k)]
     if missing:

@@ -100,7 +100,9 @@ def use(name: str):
 
 
 def flags(name: str | None = None) -> list[str]:
-    return FLAGS + KIND_FLAGS[name or kind()]
+    name = name or kind()
+    assert name is not None, unavailable()
+    return FLAGS + KIND_FLAGS[name]
 
 
 def unavailable() -> str | None:
@@ -131,6 +133,7 @@ def library() -> Path:
         if why:
             raise RuntimeError(f"the packed_linear kernel cannot be built: {why}")
         name = kind()
+        assert name is not None  # unavailable() said so
         path = built(SOURCE, flags(name))
         if name in _libs and Path(_libs[name]._name) == path:
             return path
@@ -155,10 +158,13 @@ def built(source: Path, build_flags: list[str]) -> Path:
     key = hashlib.sha256(source.read_bytes() + " ".join(build_flags).encode() + torch.__version__.encode()).hexdigest()[:16]
     path = _cache_dir() / f"lib{source.stem}-{key}.so"
     if not path.exists():
+        cxx = compiler()
+        if cxx is None:
+            raise RuntimeError(f"building {source.name}: no C++ compiler on PATH (g++, c++ or clang++; or set CXX)")
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             out = Path(tmp) / path.name
-            cmd = [compiler(), *build_flags, f"-I{torch_dir / 'include'}", "-o", str(out), str(source),
+            cmd = [cxx, *build_flags, f"-I{torch_dir / 'include'}", "-o", str(out), str(source),
                    f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
@@ -168,11 +174,11 @@ def built(source: Path, build_flags: list[str]) -> Path:
 
 
 def _loaded() -> ctypes.CDLL:
-    lib = _libs.get(kind())
-    if lib is None:
-        library()
-        lib = _libs[kind()]
-    return lib
+    name = kind()
+    if name is None or name not in _libs:
+        library()  # builds and loads this kind's library; raises where the CPU has none
+    assert name is not None
+    return _libs[name]
 
 
 def split_threads() -> int:

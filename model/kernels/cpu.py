@@ -46,7 +46,7 @@ class Cpu:
 
 def parse(cpuinfo: str) -> Cpu:
     """The first processor's model name and FEATURES flags from the text of /proc/cpuinfo."""
-    model, flags = "unknown", set()
+    model, flags = "unknown", set[str]()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
