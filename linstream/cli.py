@@ -57,6 +57,8 @@ def serve(
         "--weight-cache/--no-weight-cache",
         help=f"keep converted / packed weights in the compile cache's weights/ folder, mapped at later starts "
              f"{_default('weight_cache')}")] = None,
+    chat_template: Annotated[Optional[str], typer.Option(
+        help="a chat template (Jinja, or a tokenizer_config.json) used instead of the checkpoint's own")] = None,
     host: Annotated[Optional[str], typer.Option(help=f"bind address {_default('host')}")] = None,
     port: Annotated[Optional[int], typer.Option(help=f"port {_default('port')}")] = None,
     max_sessions: Annotated[Optional[int], typer.Option(
@@ -135,7 +137,7 @@ def serve(
              "api_keys": api_key, "api_key_file": api_key_file, "metrics_key": metrics_key, "store": store,
              "session_ttl": session_ttl,
              "max_connections": max_connections, "names": name, "device": device, "dtype": dtype, "weights": weights,
-             "weight_cache": weight_cache,
+             "weight_cache": weight_cache, "chat_template": chat_template,
              "compile": compile, "gemm": gemm, "step_runtime": step_runtime,
              "prefix_cache_bytes": prefix_cache_bytes, "prefix_cache_shared": prefix_cache_shared,
              "replica_name": replica_name, "drain_notice_s": drain_notice,

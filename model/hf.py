@@ -36,6 +36,7 @@ from .checkpoint import (
     load_weights,
     parameters_on_meta,
 )
+from . import chat_template as templates
 from . import kernels, weight_cache
 from .compiled.gemm import IN_PLACE_BYTES, pack_in_place, packable, packed_alone
 from .compiled.lowp import FORMATS, STORED_FORMATS, WEIGHT_FORMATS, convertible, to_weights
@@ -60,7 +61,8 @@ def is_hf(path: Path) -> bool:
 
 
 def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32", weights: str = "auto",
-                    pack: bool | None = False, cache: Path | None = None) -> tuple[LM, Tokenizer]:
+                    pack: bool | None = False, cache: Path | None = None,
+                    chat_template: str | Path | None = None) -> tuple[LM, Tokenizer]:
     """The model and tokenizer in `path` (either layout). On the CPU with dtype float32, its
     projections are served in `weights` (WEIGHT_FORMATS; "auto": the format they are stored in),
     everything else in float32; with `pack` (None: where the projections hold more than
@@ -71,8 +73,9 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
     at later starts. On another device, or with another dtype, the whole model is cast to `dtype`
     (its projections float32). The state stays float32 whatever the format (see LM.init_state).
     Everything in the directory is checked before it is used (check_checkpoint): a checkpoint
-    whose config, weights or tokenizer do not agree is refused with a CheckpointError naming why."""
-    model, stored, tok = _prepare(path, device, dtype, weights)
+    whose config, weights or tokenizer do not agree is refused with a CheckpointError naming why.
+    `chat_template`: a file whose template is used instead of the checkpoint's (model/chat_template.py)."""
+    model, stored, tok = _prepare(path, device, dtype, weights, chat_template)
     cfg = model.cfg
     tie = ("head.weight", "embed.weight") if cfg.tie_embeddings else None
     # the fingerprint names the checkpoint, as its float32 weights: a snapshot moves between servers
@@ -96,7 +99,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
         except (weight_cache.Damaged, OSError) as e:
             log.warning("weight cache %s not used, rebuilt: %s", file, e)
             file.unlink(missing_ok=True)
-            model, stored, tok = _prepare(path, device, dtype, weights)  # a fresh structure
+            model, stored, tok = _prepare(path, device, dtype, weights, chat_template)  # a fresh structure
     t0 = time.perf_counter()
     model._num_params = model.num_params()  # projections may become buffers
     serve = {name: how for name, m in model.named_modules() if (how := _serving(m, fmt, pack))}
@@ -179,14 +182,15 @@ def _should_pack(model: LM, fmt: str) -> bool:
     return total > IN_PLACE_BYTES and kernels.unavailable() is None
 
 
-def check_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32", weights: str = "auto") -> None:
+def check_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32", weights: str = "auto",
+                     chat_template: str | Path | None = None) -> None:
     """What load_checkpoint checks before it maps a weight: the options, config.json against the
     tensors' shapes in the safetensors headers, the tokenizer against the vocabulary. Raises
     CheckpointError; reads no weights and allocates nothing large."""
-    _prepare(path, device, dtype, weights)
+    _prepare(path, device, dtype, weights, chat_template)
 
 
-def _prepare(path, device: str, dtype: str, weights: str):
+def _prepare(path, device: str, dtype: str, weights: str, chat_template: str | Path | None = None):
     """(the model with its parameters on the meta device, the stored tensors by the model's names,
     the tokenizer), everything checked."""
     if dtype not in DTYPES:
@@ -222,8 +226,13 @@ def _prepare(path, device: str, dtype: str, weights: str):
     tied = {"head.weight": stored["embed.weight"]} if cfg.tie_embeddings and "embed.weight" in stored else {}
     check_shapes(model, {**stored, **tied}, f"config.json ({raw['architectures'][0]})" if hf else "config.json")
     tok = _tokenizer(ckpt, cfg.vocab_size)
-    if hf:
-        tok.eos_ids, tok.bos_id = _special_ids(ckpt, raw, tok)
+    tok.eos_ids, tok.bos_id = _special_ids(ckpt, raw, tok)
+    try:
+        config = ckpt.json("tokenizer_config.json", default={})
+        tok.chat_template = templates.from_config(config) if chat_template is None else \
+            templates.from_file(chat_template, config)
+    except templates.TemplateError as e:
+        raise CheckpointError(str(e)) from None
     return model, stored, tok
 
 

@@ -39,8 +39,9 @@ def byte_alphabet() -> dict[str, int]:
 class Tokenizer:
     """`vocab_size` pads the table to a model whose embedding has more rows than the tokenizer has
     tokens (imported checkpoints round it up); such ids and special tokens decode to no bytes."""
-    eos_ids: frozenset[int] = frozenset()  # generation stops at any of these (imported checkpoints)
+    eos_ids: frozenset[int] = frozenset()  # generation stops at any of these (the checkpoint's eos token)
     bos_id: int | None = None
+    chat_template = None  # the checkpoint's (model/chat_template.py), set where it is loaded (model/hf.py)
 
     def __init__(self, path: str | Path, vocab_size: int | None = None, text: str | None = None):
         # text: the file's contents, already read (model/hf.py reads it once, bounded, to check it)

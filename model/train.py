@@ -2,9 +2,17 @@
 
     python -m linstream.model.train --mixer linear --minutes 15 --out model/weights/linear
     python -m linstream.model.train --mixer gla --steps 602 --minutes 40 --out model/weights/gla
+    python -m linstream.model.train --init model/weights/mamba --steps 80 --lr 5e-4 --warmup 10 --out model/weights/mamba
 
 `--minutes` alone trains for that wall-clock time; with `--steps` it trains exactly that many
-batches (the same tokens for every mixer) and `--minutes` is only a safety cap.
+batches (the same tokens for every mixer) and `--minutes` is only a safety cap. `--init` fine-tunes
+a checkpoint instead of a new model: its embedding grows to the tokenizer's vocabulary (new rows
+the mean of the others), and its training.json keeps the earlier run under "pretraining".
+
+`--corpus turns` (the default) trains on the text with its turn marks (model/data.py: a speech
+ends with <|end|>, a scene or play with <|endoftext|>), `plain` on the bare text. Held-out
+bits/byte divide the nats of every held-out token, the marks' included, by the held-out bytes;
+`--plain-eval` adds `held_out_bits_per_byte_plain`, the same on the bare text.
 
 The checkpoint is config.json + model.safetensors + tokenizer.json + training.json (budget,
 held-out bits/byte, wall time, the command). Progress (loss, tokens/s) goes to a tqdm bar.
@@ -25,7 +33,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .config import PRESETS
-from .data import load_corpus, split
+from .data import load_corpus, split, turns_split
 from .lm import LM
 from .tokenizer import Tokenizer
 
@@ -49,6 +57,35 @@ def bits_per_byte(model: LM, ids: torch.Tensor, n_bytes: int, window: int = 512,
     return nats / math.log(2) / (n_bytes * frac)
 
 
+def grow_vocab(model: LM, vocab_size: int) -> LM:
+    """`model` with an embedding (and tied head) of `vocab_size` rows: the new rows are the mean of
+    the existing ones, so a new token starts as an average one rather than a random direction."""
+    old = model.cfg.vocab_size
+    if vocab_size == old:
+        return model
+    grown = LM(dataclasses.replace(model.cfg, vocab_size=vocab_size))
+    sd = model.state_dict()
+    for name in ("embed.weight", "head.weight"):
+        w = sd[name]  # (V, D)
+        sd[name] = torch.cat([w, w.mean(0, keepdim=True).expand(vocab_size - old, -1)])  # (V', D)
+    grown.load_state_dict(sd)
+    return grown
+
+
+def forward_top(model: LM, tokens: torch.Tensor, top: int) -> torch.Tensor:
+    """Logits (B, T, V) with gradients through the last `top` blocks, the final norm and the head
+    only: the blocks below run without autograd, so none of their activations is kept for the
+    backward pass (a fine-tune at about half a full step's cost)."""
+    k = len(model.blocks) - top
+    with torch.no_grad():
+        x, carry = model.embed(tokens), None  # (B, T, D)
+        for block in model.blocks[:k]:
+            x, _, carry = block(x, None, None, "forward", carry)
+    for block in model.blocks[k:]:
+        x, _, carry = block(x, None, None, "forward", carry)  # (B, T, D)
+    return model.head(model.norm(x)).float()  # (B, T, V)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mixer", default="linear", help="a preset name from linstream.model.config.PRESETS")
@@ -60,6 +97,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--init", help="fine-tune this checkpoint directory instead of a new model")
+    ap.add_argument("--corpus", choices=("turns", "plain"), default="turns")
+    ap.add_argument("--train-top", type=int, default=0,
+                    help="train only the last N blocks, the final norm and the (tied) embedding; 0: all")
+    ap.add_argument("--plain-eval", action="store_true", help="also held-out bits/byte on the bare text")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -67,14 +109,22 @@ def main(argv: list[str] | None = None) -> None:
 
     tok = Tokenizer(TOKENIZER)
     train_b, val_b = split(load_corpus())
-    train_ids = torch.tensor(tok.encode(train_b.decode("ascii")), dtype=torch.long)
-    val_ids = torch.tensor(tok.encode(val_b.decode("ascii")), dtype=torch.long)
+    plain_val = torch.tensor(tok.encode(val_b.decode("ascii")), dtype=torch.long) if a.plain_eval else None
+    train_text, val_text = turns_split() if a.corpus == "turns" else (train_b.decode("ascii"), val_b.decode("ascii"))
+    train_ids = torch.tensor(tok.encode(train_text), dtype=torch.long)
+    val_ids = torch.tensor(tok.encode(val_text), dtype=torch.long)
     bytes_per_token = len(train_b) / len(train_ids)
 
-    cfg = dataclasses.replace(PRESETS[a.mixer], vocab_size=tok.vocab_size)
-    model = LM(cfg)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    other = [p for n, p in model.named_parameters() if p.dim() < 2]
+    before = json.loads((Path(a.init) / "training.json").read_text()) if a.init else None
+    if a.init:
+        model = grow_vocab(LM.load(a.init).train(), tok.vocab_size)
+        a.mixer = before["mixer"]
+    else:
+        model = LM(dataclasses.replace(PRESETS[a.mixer], vocab_size=tok.vocab_size))
+    for block in model.blocks[:len(model.blocks) - a.train_top] if a.train_top else []:
+        block.requires_grad_(False)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and p.requires_grad]
+    other = [p for n, p in model.named_parameters() if p.dim() < 2 and p.requires_grad]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
                             lr=a.lr, betas=(0.9, 0.95))
     budget = a.minutes * 60
@@ -94,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         y = torch.stack([train_ids[i + 1:i + a.seq + 1] for i in idx])
         for g in opt.param_groups:
             g["lr"] = lr_at(s, progress(s, elapsed))
-        logits, _ = model(x)
+        logits = forward_top(model, x, a.train_top) if a.train_top else model(x)[0]
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -109,13 +159,21 @@ def main(argv: list[str] | None = None) -> None:
     bar.close()
     wall = time.time() - t0
     bpb = bits_per_byte(model, val_ids, len(val_b))
+    plain = bits_per_byte(model, plain_val, len(val_b)) if a.corpus == "turns" and a.plain_eval else None
     meta = {"mixer": a.mixer, "parameters": model.num_params(), "tokens_trained": seen,
             "bytes_trained": round(seen * bytes_per_token), "steps": s, "wall_seconds": round(wall, 1),
-            "threads": a.threads, "held_out_bits_per_byte": round(bpb, 4), "seed": a.seed,
+            "threads": a.threads, "held_out_bits_per_byte": round(bpb, 4),
+            **({"held_out_bits_per_byte_plain": round(plain, 4)} if plain is not None else {}), "seed": a.seed, "corpus": a.corpus, "lr": a.lr,
+            **({"train_top": a.train_top} if a.train_top else {}),
             "command": "python -m linstream.model.train " + " ".join(argv if argv is not None else sys.argv[1:])}
+    if before is not None:  # a fine-tune: the figures above are its own; the run it started from is kept
+        meta = {**meta, "tokens_trained": before["tokens_trained"] + seen,
+                "bytes_trained": before["bytes_trained"] + meta["bytes_trained"], "fine_tune_tokens": seen,
+                "pretraining": before.get("pretraining", before)}
     model.save(a.out, extra=meta)
     if Path(a.out).resolve().parent != TOKENIZER.parent.resolve():  # a shipped model shares TOKENIZER
-        shutil.copy(TOKENIZER, Path(a.out) / "tokenizer.json")
+        for name in ("tokenizer.json", "tokenizer_config.json"):  # the config: eos, bos and the chat template
+            shutil.copy(TOKENIZER.parent / name, Path(a.out) / name)
     print(json.dumps(meta, indent=2), flush=True)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -17,13 +18,21 @@ TOKENIZER = WEIGHTS / "tokenizer.json"
 TOKENIZER_CONFIG = WEIGHTS / "linear" / "tokenizer_config.json"  # HF AutoTokenizer's
 
 
+def write_tokenizer_config(out: Path) -> None:
+    """The shipped models' tokenizer_config.json less its eos token and chat template: a tiny
+    random model never ends a generation on its own and is prompted with the plain transcript,
+    as the tests of the server's mechanics assume."""
+    config = {k: v for k, v in json.loads(TOKENIZER_CONFIG.read_text()).items() if k not in ("eos_token", "chat_template")}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
 def make_checkpoint(dirpath: Path, preset: str, seed: int = 0) -> Path:
     torch.manual_seed(seed)
-    cfg = dataclasses.replace(PRESETS[preset], vocab_size=2048)
+    cfg = dataclasses.replace(PRESETS[preset], vocab_size=2050)  # the shipped tokenizer: 2,048 BPE ids and two special tokens
     out = dirpath / preset.replace("tiny-", "")
     LM(cfg).save(out)
     shutil.copy(TOKENIZER, out / "tokenizer.json")
-    shutil.copy(TOKENIZER_CONFIG, out / "tokenizer_config.json")
+    write_tokenizer_config(out)
     return out
 
 

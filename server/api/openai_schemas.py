@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
+from linstream.model.chat_template import BUILT_IN, ChatTemplate
 from linstream.model.sampling import SamplingParams
 
 from ..core.errors import APIError
@@ -19,6 +20,7 @@ from .schemas import (DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED
                       ResponseBody, Sampling, Tokens, Usage)
 
 MAX_N = 16  # choices per prompt (n, best_of)
+PLAIN_TRANSCRIPT = ChatTemplate(BUILT_IN, "built-in")
 MAX_PROMPTS = 128  # prompts in one completions request
 MAX_RUNS = 256  # generations in one request: prompts x best_of (or n)
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
@@ -185,9 +187,17 @@ def _bad_call(param: str, wanted: str, got) -> APIError:
                     code="invalid_type")
 
 
-def chat_prompt(messages: list[Message]) -> str:
-    """A plain transcript: 'ROLE:\\ncontent\\n\\n' per message, then 'ASSISTANT:\\n'."""
-    return "".join(f"{m.role.upper()}:\n{message_text(m, i)}\n\n" for i, m in enumerate(messages)) + "ASSISTANT:\n"
+def chat_prompt(messages: list[Message], template: ChatTemplate | None = None) -> str:
+    """The messages as the model's chat template writes them, ready for the assistant's turn
+    (model/chat_template.py; None: the built-in plain transcript, 'ROLE:\\ncontent\\n\\n' per
+    message, then 'ASSISTANT:\\n')."""
+    msgs = [{"role": m.role, "content": message_text(m, i), **({"name": m.name} if m.name else {})}
+            for i, m in enumerate(messages)]
+    try:
+        return (template or PLAIN_TRANSCRIPT).render(msgs)
+    except Exception as e:  # noqa: BLE001  (raise_exception, or whatever else the template's code raises)
+        raise APIError(400, "invalid_request", f"messages: the model's chat template refuses them: {e}",
+                       param="messages") from None
 
 
 class Tokenize(Body):
@@ -302,6 +312,8 @@ class ModelCard(ResponseBody):
     step_kernels: str | None
     step_runtime: str | None
     kernel: str | None = Field(description="the kind of our matmul its projections run on, if ours")
+    chat_template: dict[str, str] = Field(description="the chat template in force: its source (checkpoint, file "
+                                          "or built-in) and the first 12 hex digits of its sha256")
     chat_template: dict[str, str] = Field(description="the chat template in force: its source (checkpoint, file "
                                           "or built-in) and the first 12 hex digits of its sha256")
 

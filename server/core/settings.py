@@ -41,6 +41,8 @@ class Settings(BaseSettings):
     # keep each checkpoint's converted / packed projections in the compile cache's weights/ folder
     # (model/weight_cache.py), mapped at later starts instead of converted again
     weight_cache: bool = True
+    # a chat template file (Jinja, or a tokenizer_config.json) used instead of each checkpoint's own
+    chat_template: Path | None = None
     max_sessions: int = 1024  # recurrent models: sessions held in memory (state slots)
     # recurrent models: the bytes a model's slot pool may hold, so the slots are at most this over
     # one session's state (a 1.4 B Mamba's state is 15 MB: 1,024 slots would be 15 GiB, made at

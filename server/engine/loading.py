@@ -63,7 +63,7 @@ def check_checkpoints(settings: Settings) -> None:
     for name in settings.models:
         path = resolve(settings, name)
         try:
-            check_checkpoint(path, settings.device, settings.dtype, settings.weights)
+            check_checkpoint(path, settings.device, settings.dtype, settings.weights, settings.chat_template)
         except (CheckpointError, ValueError) as e:
             raise SystemExit(f"cannot serve {path}: {e}") from None
 
@@ -91,7 +91,8 @@ def load_engines(settings: Settings, metrics: Metrics) -> dict[str, Engine]:
         try:
             model, tok = load_checkpoint(path, settings.device, settings.dtype, settings.weights,
                                          pack=None if settings.gemm == "own" else False,
-                                         cache=weight_cache.folder() if settings.weight_cache else None)
+                                         cache=weight_cache.folder() if settings.weight_cache else None,
+                                         chat_template=settings.chat_template)
         except (CheckpointError, ValueError) as e:
             raise SystemExit(f"cannot serve {path}: {e}") from None
         served = served_name(settings, i, name, path)

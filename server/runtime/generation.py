@@ -12,6 +12,7 @@ leaving) until its generation owns it; from then on `Runtime.finish_generation` 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,7 +35,8 @@ class GenerationRequest:
     params: SamplingParams  # the sampler's, max_tokens already bounded by the route
     model: str | None = None  # None: the session's model, or the server's default
     session_id: str | None = None  # a session to continue (and keep); None: a temporary one
-    prompt: str | list[int] | None = None  # text or token ids pushed first; None: generate from the session as it is
+    prompt: str | list[int] | Callable[[Engine], str] | None = None  # text or token ids pushed first (a
+    # callable: its text for the engine that runs it); None: generate from the session as it is
     transcript: bool = False  # the prompt is chat turns: a continued session's text is separated from them
     follow: str = ""  # what the next request puts after this completion (the prefix cache keeps that state too)
     echo_logprobs: int | None = None  # the prompt's logprobs are echoed: (logprob, top-k) per prompt token
@@ -51,6 +53,8 @@ async def open_generation(rt: Runtime, req: GenerationRequest) -> Stream:
         raise APIError(400, "invalid_request", f"session {s.id!r} runs model {s.model!r}")
     eng = rt.engines[s.model] if s is not None else rt.engine(req.model)
     check_vocabulary(req.params, eng)
+    if callable(req.prompt):  # chat messages, rendered by the model's chat template
+        req.prompt = req.prompt(eng)
     matcher = await rt.constrain(eng, req.constraint, req.owner)
     ids, text = [], req.prompt if isinstance(req.prompt, str) else None
     if req.prompt is not None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from linstream.model.sampling import SamplingParams
+from linstream.model.tokenizer import Tokenizer
 
 from ..core.errors import APIError, not_found
 from ..sessions.responses import ResponseRecords
@@ -68,10 +69,10 @@ class Turn:
             self.rt.spawn(self.discard())
 
 
-async def open_turn(rt, owner: str, model: str | None, previous: str | None, render: Callable[[str | None], str],
+async def open_turn(rt, owner: str, model: str | None, previous: str | None, render: Callable[[str | None, Tokenizer], str],
                     params: SamplingParams, store: bool) -> Turn:
     """Start generating a response: on a fork of the session of response `previous`, or on a new
-    session. `render(tail)` -> the text this request adds, given the text of the last few tokens
+    session. `render(tail, tok)` -> the text this request adds, given the text of the last few tokens
     of the state it goes on from (None for a new conversation)."""
     parent = None
     if previous:
@@ -84,7 +85,7 @@ async def open_turn(rt, owner: str, model: str | None, previous: str | None, ren
     else:
         eng = rt.engine(model)
     rt.admit(eng, owner)  # draining, overloaded or rate-limited: refused before any work
-    ids = await rt.tokens_of(eng, render(eng.tok.decode(parent.tokens[-4:]) if parent else None), None)
+    ids = await rt.tokens_of(eng, render(eng.tok.decode(parent.tokens[-4:]) if parent else None, eng.tok), None)
     if parent:  # the fork holds the conversation: this request's input is pushed whole
         s = await _fork(rt, parent, previous, owner)
         cached, push = s.position, ids

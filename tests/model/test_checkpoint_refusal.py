@@ -71,7 +71,7 @@ CASES = {
     "dev_zero": (dev_zero, FIXTURE, r"tokenizer\.json is a link to /dev/zero, outside the checkpoint directory"),
     "fifo": (fifo, FIXTURE, r"model\.safetensors is a FIFO"),
     "truncated": (lying_header, FIXTURE, r"does not fit its offsets"),
-    "own_vocab": (own_vocab, WEIGHTS / "linear", r"makes embed\.weight \(4000000, 256\), model\.safetensors holds \[2048, 256\]"),
+    "own_vocab": (own_vocab, WEIGHTS / "linear", r"makes embed\.weight \(4000000, 256\), model\.safetensors holds \[2050, 256\]"),
 }
 
 

@@ -23,7 +23,7 @@ TOL = 1e-4  # float32
 
 
 def mamba_config(**kw):
-    return transformers.MambaConfig(vocab_size=2048, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
+    return transformers.MambaConfig(vocab_size=2050, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
                                     conv_kernel=4, time_step_rank=4, eos_token_id=7, bos_token_id=1, **kw)
 
 
@@ -32,13 +32,13 @@ ARCHS = {
     "mamba-untied-bias": lambda: transformers.MambaForCausalLM(
         mamba_config(tie_word_embeddings=False, use_bias=True, use_conv_bias=False, layer_norm_epsilon=1e-6)),
     "falcon-mamba": lambda: transformers.FalconMambaForCausalLM(transformers.FalconMambaConfig(
-        vocab_size=2048, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+        vocab_size=2050, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
         time_step_rank=4, mixer_rms_eps=1e-6, eos_token_id=7)),
     "mamba2": lambda: transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
-        vocab_size=2048, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4, num_heads=8,
+        vocab_size=2050, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4, num_heads=8,
         head_dim=8, n_groups=2, chunk_size=8, eos_token_id=7, bos_token_id=1)),
     "rwkv4": lambda: transformers.RwkvForCausalLM(transformers.RwkvConfig(
-        vocab_size=2048, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=48,
+        vocab_size=2050, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=48,
         rescale_every=0, eos_token_id=7, bos_token_id=1)),
 }
 
@@ -164,7 +164,7 @@ def test_unsupported_architecture_or_broken_config_is_named(tmp_path):
 
 def test_tokenizer_beyond_the_vocabulary_is_refused(tmp_path):
     cfg = mamba_config()
-    cfg.vocab_size = 1000  # the shipped tokenizer has 2048 tokens
+    cfg.vocab_size = 1000  # the shipped tokenizer has 2,050 tokens
     save_hf(transformers.MambaForCausalLM(cfg), tmp_path)
     with pytest.raises(CheckpointError, match="beyond"):
         load_checkpoint(tmp_path)
@@ -299,7 +299,7 @@ def test_rwkv_rescaled_at_inference(tmp_path):
     hence 1e-3 (a real checkpoint has rescale_every 6 and states of larger variance)."""
     torch.manual_seed(0)
     ref = transformers.RwkvForCausalLM(transformers.RwkvConfig(
-        vocab_size=2048, hidden_size=32, num_hidden_layers=3, attention_hidden_size=32, intermediate_size=64,
+        vocab_size=2050, hidden_size=32, num_hidden_layers=3, attention_hidden_size=32, intermediate_size=64,
         rescale_every=1, eos_token_id=7)).eval()
     with torch.no_grad():
         for p in ref.parameters():

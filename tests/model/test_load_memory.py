@@ -44,7 +44,7 @@ print(json.dumps({"before": before, "after": after, "weights": sum(tensors.value
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    cfg = ModelConfig(vocab_size=2048, d_model=1024, n_layer=4, mixer="mamba", mlp_ratio=0, d_state=16, dt_rank=64)
+    cfg = ModelConfig(vocab_size=2050, d_model=1024, n_layer=4, mixer="mamba", mlp_ratio=0, d_state=16, dt_rank=64)
     out = tmp_path_factory.mktemp("mem") / "mamba"
     LM(cfg).save(out)
     shutil.copy(WEIGHTS / "tokenizer.json", out / "tokenizer.json")

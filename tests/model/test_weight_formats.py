@@ -144,7 +144,7 @@ def test_a_changed_checkpoint_or_kernel_kind_builds_a_new_entry(ckpt, tmp_path, 
     cache = tmp_path / "cache"
     before = logits(cached_load(path, cache))
     torch.manual_seed(7)
-    LM(dataclasses.replace(PRESETS["tiny-mamba"], vocab_size=2048)).save(path)  # new weights, same shapes
+    LM(dataclasses.replace(PRESETS["tiny-mamba"], vocab_size=2050)).save(path)  # new weights, same shapes
     after = logits(cached_load(path, cache))
     assert len(list(cache.glob("*.safetensors"))) == 2
     assert not torch.equal(before, after) and torch.equal(after, logits(reference(path, "int8", True)))

@@ -25,8 +25,8 @@ from ...runtime.constraints import Constraint, error_status
 from ...runtime.generation import GenerationRequest
 from ...runtime.runtime import Runtime
 from ...sessions.session import Session
-from ..openai_schemas import (MAX_RUNS, Chat, ChatCompletion, Completion, ModelCard, ModelList, OpenAISampling, TextCompletion,
-                              chat_prompt, unsupported)
+from ..openai_schemas import (MAX_RUNS, PLAIN_TRANSCRIPT, Chat, ChatCompletion, Completion, ModelCard, ModelList,
+                              OpenAISampling, TextCompletion, chat_prompt, unsupported)
 from ..schemas import answers, streamed
 from ..streaming import DONE_FRAME, Gathered, Stream, data_frame, events, sse_response
 from ..structured import Calls, check, constraint, tool_plan
@@ -404,7 +404,8 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
     tools = tool_plan(req)
     check(req, tools)
     wanted = tools.constraint() if tools is not None and tools.calls else constraint(req)
-    text = (tools.prompt() if tools is not None else "") + chat_prompt(req.messages)
+    # rendered by the chat template of the model that runs it (runtime/generation.py calls it)
+    text = lambda eng: (tools.prompt() if tools is not None else "") + chat_prompt(req.messages, eng.tok.chat_template)  # noqa: E731
     lp = (req.top_logprobs or 0) if req.logprobs else None
     calls = {}  # choice -> its tool calls as they come, when the output is a tool call
 
@@ -487,7 +488,8 @@ def model_card(rt, name: str, e: Engine) -> dict:
             "weights": getattr(e.model, "weights_format", cfg.weights), "decode_step": e.stepper.status,
             "step_kernels": e.stepper.kernels if e.stepper.status == "compiled" else None,
             "step_runtime": e.stepper.runtime if e.stepper.status == "compiled" else None,
-            "kernel": e.stepper.kernel_kind}
+            "kernel": e.stepper.kernel_kind,
+            "chat_template": (e.tok.chat_template or PLAIN_TRANSCRIPT).describe()}
 
 
 @router.get("/models", responses=answers(ModelList))

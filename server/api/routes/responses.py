@@ -76,8 +76,9 @@ def part(text: str) -> dict:
 def render(msgs):
     """-> render(tail): the request's messages as the chat template writes them, after the text
     of a state that ends in `tail` (None: a new conversation)."""
-    text = chat_prompt(msgs)
-    return lambda tail: text if tail is None else separator(tail) + text
+    def text(tail: str | None, tok) -> str:  # tok: the model's tokenizer, whose chat template renders them
+        return ("" if tail is None else separator(tail)) + chat_prompt(msgs, tok.chat_template)
+    return text
 
 
 @router.post("", responses=streamed(ResponseObject))

@@ -15,7 +15,7 @@ from linstream.model.lm import LM
 from linstream.server.app import create_app
 from linstream.server.core.settings import Settings
 
-from tests.helpers import TOKENIZER, TOKENIZER_CONFIG, ServerProcess, make_checkpoint
+from tests.helpers import TOKENIZER, ServerProcess, make_checkpoint, write_tokenizer_config
 
 POSITION_BYTES = 16 << 10  # 8 layers x (k, v) x 256 float32
 BUDGET = 2048  # positions a session may hold
@@ -26,12 +26,12 @@ def wide(tmp_path_factory):
     """A softmax model with a wide KV cache and little else (a thin MLP), so that a few thousand
     tokens make tens of MiB of cache in a second or two."""
     torch.manual_seed(0)
-    cfg = dataclasses.replace(PRESETS["tiny-softmax"], vocab_size=2048, d_model=256, n_head=4, n_layer=8,
+    cfg = dataclasses.replace(PRESETS["tiny-softmax"], vocab_size=2050, d_model=256, n_head=4, n_layer=8,
                               mlp_ratio=0.25)
     out = tmp_path_factory.mktemp("ckpt") / "softmax"
     LM(cfg).save(out)
     shutil.copy(TOKENIZER, out / "tokenizer.json")
-    shutil.copy(TOKENIZER_CONFIG, out / "tokenizer_config.json")
+    write_tokenizer_config(out)
     return out
 
 
