@@ -44,7 +44,7 @@ from linstream.model.hf import load_checkpoint
 from linstream.model.sampling import SamplingParams, masked_logits, sample
 from linstream.server.engine.emit import draw_tokens
 from linstream.server.engine.engine import MASK_THREAD_ROWS, Engine
-from linstream.server.engine.jobs import Job
+from linstream.server.engine.jobs import Job, JobPhase
 
 OPEN = json.dumps({"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"},
                                                                "minItems": 1000}}, "required": ["notes"]})
@@ -122,6 +122,7 @@ def emit_path(model, tok, tokens: int, rounds: int = 15) -> dict:
             for k in cases:
                 t0 = time.perf_counter()
                 draw_tokens(eng, [jobs[k]], logits, checked=True)
+                jobs[k].move(JobPhase.STEPPED)  # as the step that consumes the token would
                 took[k] += time.perf_counter() - t0
                 eng.outbox.clear()
         for k in cases:

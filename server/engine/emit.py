@@ -23,7 +23,7 @@ from linstream.model.constrain import Matcher
 from linstream.model.generate import TextStream
 from linstream.model.sampling import finite_rows
 
-from .jobs import Job, logprob_entries
+from .jobs import Job, JobPhase, logprob_entries
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -37,7 +37,7 @@ def first_tokens(eng: Engine, starting: list[Job]) -> list[Job]:
     for j in starting:
         j.t_start = time.perf_counter()
     draw_tokens(eng, starting, eng.pool.next_logits[rows])  # (they leave as the step starts)
-    return [j for j in starting if j.pending is not None and j in eng.jobs and eng._may_consume(j)]
+    return [j for j in starting if j.phase is JobPhase.DECODING and eng._may_consume(j)]
 
 
 def draw_tokens(eng: Engine, jobs: list[Job], logits: torch.Tensor, checked: bool = False) -> None:
@@ -124,6 +124,7 @@ def token_event(eng: Engine, j: Job, t: int, logits: torch.Tensor) -> dict:
     j.emitted += 1
     j.counts[t] += 1
     j.pending = t
+    j.move(JobPhase.DECODING)
     return ev
 
 

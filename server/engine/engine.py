@@ -72,11 +72,11 @@ from linstream.model.tokenizer import Tokenizer
 from ..core.errors import APIError
 from .emit import MaskThread, draw_tokens, first_tokens
 from .execute import prefill_slice, run_step, time_len
-from .jobs import Checkpointing, Job, Prefill, PrefillCancelled, run_all, settle
+from .jobs import Checkpointing, Job, JobPhase, Prefill, PrefillCancelled, run_all, settle
 from .plan import STEP_PREFILL, RowViews, ema, next_prefill, plan_step, slice_len, take_stock
 from .rollback import Rollback
 
-__all__ = ["Engine", "Job", "Prefill", "PrefillCancelled", "STEP_PREFILL", "MASK_THREAD_ROWS", "kv_token_bytes"]
+__all__ = ["Engine", "Job", "JobPhase", "Prefill", "PrefillCancelled", "STEP_PREFILL", "MASK_THREAD_ROWS", "kv_token_bytes"]
 
 log = logging.getLogger("linstream.engine")
 
@@ -193,7 +193,7 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
-        return len(self.prefills) + sum(1 for j in self.jobs if j.t_start is None)
+        return len(self.prefills) + sum(1 for j in self.jobs if j.phase is JobPhase.QUEUED)
 
     def _drop_prefill(self, job: Prefill) -> bool:
         """Its caller left: drop the prefill unless it is done, the row back to where it began
@@ -321,14 +321,14 @@ class Engine:
 
     def _ready(self) -> bool:
         return bool(self.commands or self.prefills or any(
-            j.cancelled or j.pending is None or self._may_consume(j) for j in self.jobs))
+            j.cancelled or j.phase is not JobPhase.DECODING or self._may_consume(j) for j in self.jobs))
 
     def _may_consume(self, j: Job) -> bool:
         """May the pending token enter the state now? Once delivered, yes. Before that only with
         lookahead, and only when every token consumed earlier has been delivered (at most one to
         roll back). A finished job's last token is consumed ahead too: the job ends with it, and
         `take_back` undoes it if it never reaches the client."""
-        return j.yielded >= j.emitted or (self.lookahead and j.yielded >= j.consumed)
+        return j.all_delivered() or (self.lookahead and not j.consumed_undelivered())
 
     def slice_len(self) -> int:
         """Tokens of the next prefill slice: a whole chunk unless streams are decoding."""
@@ -364,7 +364,7 @@ class Engine:
         ended with that token stepped ahead of delivery, and the client left or the server ended
         the stream before it was handed over), restore the row from before it. Engine thread
         (through `call`); the session still owns the slot. -> the final row if `read`, else None."""
-        if j.saved is not None and j.yielded < j.consumed:
+        if j.saved is not None and j.consumed_undelivered():
             self._roll_back(j)
         j.saved = None
         return self.read(j.slot) if read else None
@@ -379,17 +379,18 @@ class Engine:
         """End j alone with finish "error". Its state keeps only tokens its client has been handed:
         a token consumed ahead of delivery is rolled back, and the handler hands over no more."""
         log.warning("generation on slot %d failed: %s", j.slot, message)
-        if j.yielded < j.consumed and j.saved is not None:
+        if j.consumed_undelivered() and j.saved is not None:
             self._roll_back(j)
         j.pending = None
         j.finish, j.error = "error", message
         self._finish(j)
 
     def _finish(self, j: Job) -> None:
-        if j not in self.jobs:  # already ended (a failure met while it was being finished)
+        if j.phase is JobPhase.FINISHED:  # already ended (a failure met while it was being finished)
             return
+        j.move(JobPhase.FINISHED)
         self.jobs.remove(j)
-        if j.saved is not None and j.yielded < j.consumed:  # its last token is not delivered yet:
+        if j.saved is not None and j.consumed_undelivered():  # its last token is not delivered yet:
             saved, i = j.saved  # keep only its own row of the step's rollback copy, for take_back
             j.saved = (saved.copy_rows([i]), 0)
         else:

@@ -16,7 +16,7 @@ import torch
 from linstream.model.generate import decode_one_token, prefill_by_steps, prefill_chunk
 from linstream.model.sampling import finite_rows
 
-from .jobs import Job, NonFiniteState, Prefill, logprob_entries, settle
+from .jobs import Job, JobPhase, NonFiniteState, Prefill, logprob_entries, settle
 from .plan import STEP_PREFILL, StepPlan, ema, lay_out_rows
 
 if TYPE_CHECKING:
@@ -45,6 +45,8 @@ def prefill_slice(eng: Engine, job: Prefill) -> None:
             n = min(n, every - int(eng.pool.position[job.slot]) % every)
         steps = job.done == 0 and len(job.tokens) <= min(n, STEP_PREFILL) and eng.stepper.status == "compiled"
         chunk = job.tokens if steps else job.tokens[job.done:job.done + n]  # (steps: one slice)
+        if eng.kv:  # room first: a KV cache's slice is then written into the pool's row in place
+            eng._reserve_kv(int(eng.pool.position[job.slot]) + len(chunk))
         st = eng.pool.select([job.slot])
         if job.done == 0 and len(job.tokens) > len(chunk):  # several chunks: keep the row to roll back to
             job.saved = eng.pool.copy_rows([job.slot], with_growing=False)
@@ -153,6 +155,7 @@ def run_step(eng: Engine, plan: StepPlan, retry: bool = True) -> Iterator[StepOu
             continue
         j.pending = None
         j.consumed += 1
+        j.move(JobPhase.STEPPED)
         if j.checkpoints is not None and (j.position + j.consumed) % j.checkpoints.every == 0:
             j.checkpoints.capture(j.position + j.consumed, eng.read(j.slot))  # (Checkpointing)
         if j.cancelled:  # possibly cancelled during this very step, after consuming ahead of

@@ -1,5 +1,18 @@
 """What the engine is asked to do and what it hands back: a generation (`Job`) and a push
-(`Prefill`) on one session's slot, and the hand-offs from the engine thread to an event loop."""
+(`Prefill`) on one session's slot, and the hand-offs from the engine thread to an event loop.
+
+A job's phases and the moves between them (`JobPhase`, `MOVES`; only the engine thread moves a
+job, through `Job.move`):
+
+    QUEUED --first token drawn--> DECODING --a step consumed it--> STEPPED
+                                      ^                                 |
+                                      +-------next token drawn----------+
+    QUEUED, DECODING or STEPPED --ends--> FINISHED
+
+A job ends when it has nothing to generate, its grammar is complete, it is cancelled, a fault
+ends it, or its last token is consumed. Where its client is (the tokens handed over, `yielded`)
+is a count, not a phase: the engine may consume a token before its client has it
+(`consumed_undelivered`), and keeps a rollback point while it does."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +20,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Callable, Protocol
 
 import torch
@@ -29,6 +43,22 @@ class Checkpointing(Protocol):
     def capture(self, position: int, state: State) -> None: ...
 
 
+class JobPhase(Enum):
+    """Where a generation is (the module docstring draws the moves)."""
+    QUEUED = "queued"  # submitted: its first token is still to be drawn, from the logits its row holds
+    DECODING = "decoding"  # a token is drawn (`pending`): the next step the job is in consumes it
+    STEPPED = "stepped"  # its token consumed, the next not drawn (a job cancelled during the step waits here)
+    FINISHED = "finished"  # ended, `finish` says why: out of the engine's jobs, its state final
+
+
+MOVES: dict[JobPhase, frozenset[JobPhase]] = {
+    JobPhase.QUEUED: frozenset({JobPhase.DECODING, JobPhase.FINISHED}),
+    JobPhase.DECODING: frozenset({JobPhase.STEPPED, JobPhase.FINISHED}),
+    JobPhase.STEPPED: frozenset({JobPhase.DECODING, JobPhase.FINISHED}),
+    JobPhase.FINISHED: frozenset(),
+}
+
+
 @dataclass
 class Job:
     """One generate request on one session."""
@@ -49,6 +79,7 @@ class Job:
     yielded: int = 0  # advanced by the handler after each event has been handed to the response
     consumed: int = 0  # tokens of this job the state has consumed
     pending: int | None = None  # last emitted token, not yet consumed by the state
+    phase: JobPhase = JobPhase.QUEUED  # moved by the engine thread only (move)
     saved: tuple | None = None  # (rows copy, index): the row before its last, undelivered, consumed token
     finish: str | None = None
     error: str | None = None  # why it ended with finish "error"
@@ -63,6 +94,20 @@ class Job:
     def __post_init__(self):
         # greedy rows draw nothing: no generator to seed (a seed from the OS costs a syscall a job)
         self.gen = self.params.generator() if self.params.temperature != 0 else None
+
+    def move(self, to: JobPhase) -> None:
+        """The one place a job's phase changes, along MOVES only."""
+        if to not in MOVES[self.phase]:
+            raise RuntimeError(f"a job cannot move from {self.phase.name} to {to.name}")
+        self.phase = to
+
+    def all_delivered(self) -> bool:
+        """Has its client been handed every token drawn so far?"""
+        return self.yielded >= self.emitted
+
+    def consumed_undelivered(self) -> bool:
+        """Does its row hold a token its client has not been handed (consumed ahead, lookahead)?"""
+        return self.yielded < self.consumed
 
     def timings(self) -> dict:
         n = self.emitted

@@ -12,7 +12,7 @@ import torch
 
 from linstream.model.state import State
 
-from .jobs import Job, Prefill
+from .jobs import Job, JobPhase, Prefill
 from .rollback import flat
 
 if TYPE_CHECKING:
@@ -43,17 +43,17 @@ def take_stock(eng: Engine) -> tuple[list[Job], list[Job]]:
     row already holds, jobs ready to step)."""
     starting, ready = [], []
     for j in list(eng.jobs):
-        if j.saved is not None and j.yielded >= j.consumed:
+        if j.saved is not None and not j.consumed_undelivered():
             j.saved = None  # delivered: no rollback needed, and the step's copy must not outlive it
         if j.cancelled:
-            if j.yielded < j.consumed:  # consumed, never delivered: roll the row back
+            if j.consumed_undelivered():  # consumed, never delivered: roll the row back
                 eng._roll_back(j)
-            if j.pending is not None and j.yielded >= j.emitted:
+            if j.phase is JobPhase.DECODING and j.all_delivered():
                 ready.append(j)  # delivered, not yet consumed: one last step
             else:
                 j.pending = None  # never reached the client: not part of the session
                 eng._finish(j)
-        elif j.pending is None:  # a new job: its first token comes from the logits already held
+        elif j.phase is JobPhase.QUEUED:  # its first token comes from the logits already held
             if j.matcher is not None and j.matcher.ended:  # a grammar the empty text completes
                 j.finish = "stop"
                 eng._finish(j)
