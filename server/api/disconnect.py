@@ -4,7 +4,7 @@ A streamed response notices a client that leaves (sse-starlette listens for it b
 stream), but until the response starts nothing listens: a non-streamed generation, or the
 prompt's prefill before a stream's first event, would run to its end for nobody. `unless_gone`
 runs the route beside a wait for the ASGI `http.disconnect` message and cancels the route when
-it comes first; the route's own clean-up (Stream.let_go, the prefill's undo, the temporary
+it comes first; the route's own clean-up (Stream.release, the prefill's undo, the temporary
 session's delete) then runs as for any cancellation.
 """
 from __future__ import annotations

@@ -47,7 +47,7 @@ def sse_response(gen, ended: Callable[[], None], cfg: Settings) -> EventSourceRe
     exactly what was delivered) instead of holding a decode slot.
     On SIGTERM the stream runs on (sse-starlette would otherwise cut it at once) until it ends
     or the runtime ends it within `graceful_shutdown_s` seconds (Runtime.begin_drain). `ended()` runs
-    once the response is over (Stream.let_go, to free the job and session)."""
+    once the response is over (Stream.release, to free the job and session)."""
     return _Stream(gen, ended, ping=cfg.sse_ping_s, send_timeout=cfg.stream_send_timeout,
                    shutdown_grace_period=cfg.graceful_shutdown_s)
 

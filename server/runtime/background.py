@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
 
 from ..core.errors import APIError
 from ..core.heap import Heap
@@ -21,41 +22,41 @@ log = logging.getLogger("linstream")
 class Tasks:
     """Tasks that outlive the request that started them (a persist after a stream, the loops)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.running: set[asyncio.Task] = set()
 
-    def spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
         t = asyncio.create_task(coro)
         self.running.add(t)
         t.add_done_callback(self.running.discard)
         return t
 
 
-async def sweep(held: Residency, records: Records, metrics: Metrics, ttl: float):
+async def sweep(residency: Residency, records: Records, metrics: Metrics, ttl: float) -> None:
     """Expire sessions idle for longer than `ttl` seconds (the store expires their records too)."""
     while True:
         await asyncio.sleep(min(5.0, max(0.05, ttl / 4)))
         now = time.time()
-        for s in [s for s in list(held.sessions.values())
+        for s in [s for s in list(residency.sessions.values())
                   if not s.busy and not s.dirty and s.writing is None and now - s.last_used_at > ttl]:
             try:
                 await records.forget(s.id)
             except StoreUnavailable:
                 break  # store down: expire on a later sweep
             metrics.expired.labels(s.model).inc()  # counted before it disappears: a reader who
-            await held.drop(s)  # sees it gone also sees it counted
+            await residency.drop(s)  # sees it gone also sees it counted
 
 
-async def renew_leases(held: Residency, leases: Leases):
+async def renew_leases(residency: Residency, leases: Leases) -> None:
     while True:
         await asyncio.sleep(leases.ttl_ms / 3000)
         try:
-            await leases.renew([s.id for s in list(held.sessions.values()) if s.busy and not s.ephemeral])
+            await leases.renew([s.id for s in list(residency.sessions.values()) if s.busy and not s.ephemeral])
         except StoreUnavailable:
             pass  # retried on the next tick
 
 
-async def trim_heap(metrics: Metrics, every: float = 10.0):
+async def trim_heap(metrics: Metrics, every: float = 10.0) -> None:
     """Hand freed heap back to the OS now and then, and report what the allocator holds
     (see server/core/heap.py for why)."""
     heap = Heap()
@@ -64,20 +65,20 @@ async def trim_heap(metrics: Metrics, every: float = 10.0):
     while True:
         await asyncio.sleep(every)
         await asyncio.to_thread(heap.trim)
-        in_use, held = heap.stats()
+        in_use, free = heap.stats()
         metrics.heap_in_use.set(in_use)
-        metrics.heap_free.set(held)
+        metrics.heap_free.set(free)
 
 
-async def flush_dirty(held: Residency, every: float = 1.0):
+async def flush_dirty(residency: Residency, every: float = 1.0) -> None:
     """Write sessions whose last persist failed (store unreachable) once it is back. Until
     then they stay resident: never spilled, never dropped."""
     while True:
         await asyncio.sleep(every)
-        for s in [s for s in list(held.sessions.values()) if s.dirty and not s.busy and s.slot is not None]:
+        for s in [s for s in list(residency.sessions.values()) if s.dirty and not s.busy and s.slot is not None]:
             s.busy = True
             try:
-                await held.write(s)
+                await residency.write(s)
                 log.info("session %s written to the store after an outage", s.id)
             except StoreUnavailable:
                 break  # still down: try again later

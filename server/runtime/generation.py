@@ -43,7 +43,7 @@ class GenerationRequest:
     logprobs: int | None = None  # per generated token: None none, k its logprob and the k most likely
     constraint: Constraint | None = None  # what the output follows (api/structured.py)
     one_body: bool = False  # answered in one JSON body: a continued session goes back to where it was
-    # if the client leaves before the body is ready (`Runtime.mark`)
+    # if the client leaves before the body is ready (`Runtime.restore_point`)
 
 
 async def open_generation(rt: Runtime, req: GenerationRequest) -> Stream:
@@ -71,12 +71,12 @@ async def open_generation(rt: Runtime, req: GenerationRequest) -> Stream:
             if req.transcript and not temporary and s.tokens:  # the separator after a continued session's text
                 ids = eng.tok.encode(separator(eng.tok.decode(s.tokens[-4:]))) + ids
             start = s.position
-            undo = await rt.mark(s) if req.one_body and not temporary else None
+            point = await rt.restore_point(s) if req.one_body and not temporary else None
             pushed = None
             if req.prompt is not None:
                 _, job = await rt.push(s, ids[start:] if temporary else ids, req.echo_logprobs)
                 pushed = job.results if job is not None and req.echo_logprobs is not None else None
-            st = rt.generate(s, req.params, req.logprobs, matcher, undo=undo)
+            st = rt.generate(s, req.params, req.logprobs, matcher, restore_point=point)
     except BaseException:  # cancellation (the client left, shutdown) included
         if temporary:  # shielded: a second cancellation must not cut the delete short
             await asyncio.shield(rt.spawn(rt.delete(s)))

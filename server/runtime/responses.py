@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from linstream.model.sampling import SamplingParams
 from linstream.model.tokenizer import Tokenizer
@@ -26,10 +27,13 @@ from ..sessions.session import Session
 from .generation import generate_on
 from .stream import Stream
 
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
 FORK_TRIES, FORK_WAIT_S = 100, 0.02  # a parent being forked by another request is busy that briefly
 
 
-def records(rt) -> ResponseRecords:
+def records(rt: Runtime) -> ResponseRecords:
     return ResponseRecords(rt.store, rt.settings.session_ttl)
 
 
@@ -39,7 +43,7 @@ class Turn:
     stream: Stream
     cached: int  # context tokens its state held before this request's input (not prefilled again)
     store: bool
-    rt: object
+    rt: Runtime
     recorded: bool = False
 
     @property
@@ -64,12 +68,12 @@ class Turn:
 
     def ended(self) -> None:
         """The response is over, however it ended: a session that no record names is let go."""
-        self.stream.let_go()
+        self.stream.release()
         if not self.recorded:
             self.rt.spawn(self.discard())
 
 
-async def open_turn(rt, owner: str, model: str | None, previous: str | None, render: Callable[[str | None, Tokenizer], str],
+async def open_turn(rt: Runtime, owner: str, model: str | None, previous: str | None, render: Callable[[str | None, Tokenizer], str],
                     params: SamplingParams, store: bool) -> Turn:
     """Start generating a response: on a fork of the session of response `previous`, or on a new
     session. `render(tail, tok)` -> the text this request adds, given the text of the last few tokens
@@ -99,7 +103,7 @@ async def open_turn(rt, owner: str, model: str | None, previous: str | None, ren
     return Turn(st, cached, store, rt)
 
 
-async def _parent(rt, sid: str, rid: str, owner: str) -> Session:
+async def _parent(rt: Runtime, sid: str, rid: str, owner: str) -> Session:
     try:
         return await rt.find(sid, owner)
     except APIError as e:
@@ -108,12 +112,12 @@ async def _parent(rt, sid: str, rid: str, owner: str) -> Session:
         raise
 
 
-async def _fork(rt, parent: Session, rid: str, owner: str) -> Session:
+async def _fork(rt: Runtime, parent: Session, rid: str, owner: str) -> Session:
     """A fork of the parent's session; a parent busy with another request's fork is waited for."""
     for _ in range(FORK_TRIES):
         try:
             async with rt.use(parent.id, owner) as p:
-                return await rt.copies.fork(p, history=False)
+                return await rt.snapshots.fork(p, history=False)
         except APIError as e:
             if e.type != "session_busy":
                 raise
@@ -122,11 +126,11 @@ async def _fork(rt, parent: Session, rid: str, owner: str) -> Session:
                    headers={"Retry-After": "1"}, param="previous_response_id")
 
 
-async def retrieve(rt, rid: str, owner: str) -> dict:
+async def retrieve(rt: Runtime, rid: str, owner: str) -> dict:
     return (await records(rt).get(rid, owner))["response"]
 
 
-async def delete(rt, rid: str, owner: str) -> None:
+async def delete(rt: Runtime, rid: str, owner: str) -> None:
     """Delete a stored response and its session (responses forked from it keep theirs)."""
     recs = records(rt)
     meta = await recs.get(rid, owner)

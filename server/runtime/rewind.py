@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from linstream.model.state import State
 
 from ..core.errors import APIError
+from ..engine.jobs import Job
 from ..sessions.session import Session, affinity_of
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ async def start_state(rt: Runtime, s: Session, p: int) -> tuple[int, State]:
                    param="position")
 
 
-async def _advance(rt: Runtime, s: Session, q: int, state: State, p: int):
+async def _advance(rt: Runtime, s: Session, q: int, state: State, p: int) -> Job | None:
     """Put s's row at `state` (position q) and prefill its history up to p. -> the prefill's job."""
     eng = rt.engines[s.model]
     ids = s.tokens[q - s.history_start:p - s.history_start]
@@ -54,18 +55,17 @@ async def rewind(rt: Runtime, s: Session, p: int) -> dict:
     leaving included), the session is as it was."""
     q, state = await start_state(rt, s, p)
     t0 = time.perf_counter()
-    undo = await rt.mark(s)
+    point = await rt.restore_point(s)
     eng = rt.engines[s.model]
     try:
         job = await _advance(rt, s, q, state, p)
     except BaseException:
-        row = undo[0]
-        await asyncio.shield(eng.call(lambda: eng.put_back(s.slot, row, False)))
+        await asyncio.shield(eng.call(lambda: eng.put_back(s.slot, point.row, False)))
         s.checkpoints.settle(s.position)  # copies the engine took on the way are past nothing kept
         raise
     s.cut_history(p)
     s.checkpoints.forget_after(p)
-    await rt.held.persist(s, job and job.state)
+    await rt.residency.persist(s, job and job.state)
     return {"position": s.position, "from_position": q, "prefilled": p - q,
             "prefill_ms": round(1000 * (time.perf_counter() - t0), 3)}
 
@@ -76,12 +76,12 @@ async def fork_at(rt: Runtime, s: Session, p: int) -> Session:
     eng = rt.engines[s.model]
     await rt.store.ping()
     start = min(s.history_start, p)  # (p before the history's start: the child holds no history)
-    child = await rt.held.new(eng, s.owner, state, s.tokens[:max(0, p - s.history_start)], start,
+    child = await rt.residency.new(eng, s.owner, state, s.tokens[:max(0, p - s.history_start)], start,
                               affinity=affinity_of(s.id))
-    child.checkpoints = await rt.copies.inherited(s, p)
+    child.checkpoints = await rt.snapshots.inherited(s, p)
 
     async def work():
         job = await _advance(rt, child, q, state, p) if p > q else None
-        await rt.held.persist(child, job and job.state)
-    await rt.held.created(child, work)
+        await rt.residency.persist(child, job and job.state)
+    await rt.residency.created(child, work)
     return child

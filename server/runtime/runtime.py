@@ -9,6 +9,7 @@ one concern (the routes parse HTTP; these hold the logic):
   sessions/prefix_reuse.py the prefix cache in use by the OpenAI routes
   engine/prompts.py        a prompt's token ids, bounded by the settings and the vocabulary
   runtime/background.py    the background tasks (expiry, lease renewal, flushing dirty sessions, heap trim)
+  runtime/generation.py    a generation from request to stream: the one call a route makes (open_generation)
   runtime/stream.py        a generation's `Stream` handle (api/streaming.py renders it as SSE / JSON)
 
 Every operation that touches a state goes through the owning engine's thread (`Engine.call`,
@@ -27,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 
 from linstream.model.constrain import Matcher
 from linstream.model.sampling import SamplingParams
@@ -49,18 +51,18 @@ from ..sessions.prefix_tier import PrefixTier, longest
 from ..sessions.records import Records
 from ..sessions.residency import Residency
 from ..sessions.session import Session, SessionDamaged
-from ..sessions.snapshots import Snapshots
+from ..sessions.snapshots import Snapshot, Snapshots
 from ..sessions.store import StoreUnavailable, open_store
 from . import background
 from .constraints import Compiler, Constraint
 from .generation import GenerationRequest, open_generation
-from .stream import Stream
+from .stream import RestorePoint, Stream
 
 log = logging.getLogger("linstream")
 
 
 class Runtime:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = Metrics()
         self.usage = Usage()  # per key, for /v1/usage
@@ -76,12 +78,12 @@ class Runtime:
         self.blob_limit = self._blob_limit()
         self.heap = Heap()
         self.records = Records(self.store, self.engines, settings, self.metrics, self.leases)
-        self.held = Residency(self.engines, self.records, self.leases, self.metrics)
-        self.sessions = self.held.sessions  # held by this process (resident or spilled)
-        self.copies = Snapshots(self.engines, self.held, self.records)
+        self.residency = Residency(self.engines, self.records, self.leases, self.metrics)
+        self.sessions = self.residency.sessions  # held by this process (resident or spilled)
+        self.snapshots = Snapshots(self.engines, self.residency, self.records)
         self.admission = Admission(settings, tenants=len(self.keys.keys))
-        self.reuse = PrefixReuse(settings, self.metrics, self.held)
-        self.prefixes = self.reuse.prefixes
+        self.prefix_reuse = PrefixReuse(settings, self.metrics, self.residency)
+        self.prefixes = self.prefix_reuse.prefixes
         tier_url = settings.prefix_tier_url or (settings.store if self.leases else "")
         if tier_url and settings.prefix_tier_bytes and settings.prefix_cache_bytes:
             self.prefixes.tier = PrefixTier(tier_url, settings.prefix_tier_bytes, settings.prefix_tier_ttl, self.engines,
@@ -89,23 +91,23 @@ class Runtime:
         self.tasks = background.Tasks()
         self.grammars = Compiler(settings.grammar_max_bytes, settings.grammar_timeout_s)
         self.loops: list[asyncio.Task] = []
-        self.open: set[Stream] = set()  # generations whose session is not yet released
+        self.streams: set[Stream] = set()  # the generations whose session is not yet released
         self.loop: asyncio.AbstractEventLoop | None = None
         self.drain_timer: asyncio.TimerHandle | None = None  # ends the generations still running (begin_drain)
         # SIGTERM with a drain notice (settings.drain_notice_s): /health answers 503 from now on, so that
         # proxies stop sending requests before the listener closes and begin_drain runs
         self.leaving = False
 
-    def start(self):
+    def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         for e in self.engines.values():
             e.start()
-        todo = [background.flush_dirty(self.held), background.trim_heap(self.metrics)]
+        todo = [background.flush_dirty(self.residency), background.trim_heap(self.metrics)]
         if self.settings.session_ttl:
-            todo.append(background.sweep(self.held, self.records, self.metrics, self.settings.session_ttl))
+            todo.append(background.sweep(self.residency, self.records, self.metrics, self.settings.session_ttl))
         if self.leases:
             self.leases.start()
-            todo.append(background.renew_leases(self.held, self.leases))
+            todo.append(background.renew_leases(self.residency, self.leases))
         self.loops = [self.spawn(c) for c in todo]
 
     def begin_drain(self) -> None:
@@ -122,10 +124,10 @@ class Runtime:
         self.loop.call_soon_threadsafe(lambda: setattr(self, "drain_timer", self.loop.call_later(end, self._end_streams)))
 
     def _end_streams(self) -> None:
-        for st in list(self.open):
+        for st in list(self.streams):
             st.cancel("shutdown")  # its handler ends it at the next token (streaming.events)
 
-    async def stop(self, drain_s: float = 10.0):
+    async def stop(self, drain_s: float = 10.0) -> None:
         """Shutdown, after the HTTP server has stopped taking requests and ended its streams:
         let the generations it cut write their sessions (each keeps exactly what its client
         received), make a last attempt at sessions the store could not take, then stop."""
@@ -138,7 +140,7 @@ class Runtime:
             await asyncio.wait(finishing, timeout=drain_s)
         for s in [s for s in list(self.sessions.values()) if s.dirty and s.slot is not None]:
             try:
-                await self.held.write(s)
+                await self.residency.write(s)
             except StoreUnavailable:
                 log.error("session %s: store unreachable at shutdown; its state at position %d was never written", s.id, s.position)
         tasks = list(self.tasks.running)
@@ -154,7 +156,7 @@ class Runtime:
         if self.prefixes.tier is not None:
             await self.prefixes.tier.close()
 
-    def spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
         return self.tasks.spawn(coro)
 
     # ---- lookups and validation ----------------------------------------------------------
@@ -169,12 +171,12 @@ class Runtime:
         return await tokens_of(eng, text, tokens, self.settings)
 
     async def prompt_tokens(self, eng: Engine, owner: str, text: str) -> list[int]:
-        return await self.reuse.prompt_tokens(eng, owner, text)
+        return await self.prefix_reuse.prompt_tokens(eng, owner, text)
 
     async def start_from_prefix(self, eng: Engine, owner: str, ids: list[int], follow: str = "", reuse: bool = True,
                                 text: str | None = None) -> Session:
         """A temporary session for one OpenAI request, from the longest cached prefix (PrefixReuse.start)."""
-        return await self.reuse.start(eng, owner, ids, follow, reuse, text)
+        return await self.prefix_reuse.start(eng, owner, ids, follow, reuse, text)
 
     def admit(self, eng: Engine, owner: str) -> None:
         self.admission.admit(eng, owner)
@@ -189,7 +191,7 @@ class Runtime:
     def owned(self, owner: str) -> list[Session]:
         return [s for s in list(self.sessions.values()) if s.owner == owner]
 
-    def refresh_gauges(self):
+    def refresh_gauges(self) -> None:
         m = self.metrics
         for name, eng in self.engines.items():
             held = [s for s in self.sessions.values() if s.model == name and s.slot is not None]
@@ -203,15 +205,15 @@ class Runtime:
             pass
 
     async def find(self, sid: str, owner: str) -> Session:
-        return await self.held.find(sid, owner)
+        return await self.residency.find(sid, owner)
 
-    def use(self, sid: str, owner: str, release: bool = True):
+    def use(self, sid: str, owner: str, release: bool = True) -> contextlib.AbstractAsyncContextManager[Session]:
         """Exclusive use of a resident session for one request (Residency.use)."""
-        return self.held.use(sid, owner, release)
+        return self.residency.use(sid, owner, release)
 
-    def hold(self, s: Session, release: bool = True):
+    def hold(self, s: Session, release: bool = True) -> contextlib.AbstractAsyncContextManager[Session]:
         """`use`, for a session already found."""
-        return self.held.hold(s, release)
+        return self.residency.hold(s, release)
 
     # ---- session operations --------------------------------------------------------------
     async def create(self, model: str | None, text: str | None, tokens: list[int] | None, owner: str = "",
@@ -220,16 +222,16 @@ class Runtime:
         ids = await self.tokens_of(eng, text, tokens)
         if not ephemeral:
             await self.store.ping()
-        n, state = await longest(self.prefixes, eng.name, self.reuse.scope(owner), ids)
-        s = await self.held.new(eng, owner, state, ids[:n], ephemeral=ephemeral, affinity=affinity)
-        await self.held.created(s, lambda: self.push(s, ids[n:]))
+        n, state = await longest(self.prefixes, eng.name, self.prefix_reuse.scope(owner), ids)
+        s = await self.residency.new(eng, owner, state, ids[:n], ephemeral=ephemeral, affinity=affinity)
+        await self.residency.created(s, lambda: self.push(s, ids[n:]))
         return s
 
-    async def push(self, s: Session, ids: list[int], logprobs: int | None = None):
+    async def push(self, s: Session, ids: list[int], logprobs: int | None = None) -> tuple[float, Job | None]:
         """Advance the session over ids (chunked prefill, interleaved with others' decode), then
         persist it. -> (ms the prefill took, its engine job or None)."""
         eng = self.engines[s.model]
-        self.room(s, len(ids), "push")
+        self.check_budget(s, len(ids), "push")
         t0 = time.perf_counter()
         try:
             job = await eng.prefill(s.slot, ids, logprobs, read=not s.ephemeral, owner=s.owner) if ids else None
@@ -239,16 +241,16 @@ class Runtime:
             if e.applied:  # the history follows the state
                 s.tokens.extend(ids)
                 with contextlib.suppress(APIError, StoreUnavailable):  # a dirty session is written later
-                    await asyncio.shield(self.held.persist(s))
+                    await asyncio.shield(self.residency.persist(s))
             raise
         s.tokens.extend(ids)
         self.metrics.prompt_tokens.labels(s.model).inc(len(ids))
         self.usage.add(s.owner, prompt_tokens=len(ids))
         if ids:
-            await self.reuse.cache_prompt(s, eng)
+            await self.prefix_reuse.cache_prompt(s, eng)
         ms = 1000 * (time.perf_counter() - t0)
         try:
-            await self.held.persist(s, job and job.state, finite=job is not None)
+            await self.residency.persist(s, job and job.state, finite=job is not None)
             if job is not None:
                 job.state = None  # written: a KV cache's copy must not outlive the request
         except StoreUnavailable as e:
@@ -256,11 +258,11 @@ class Runtime:
                                    "in this server's memory and is written to the store when it is back") from None
         return ms, job
 
-    async def mark(self, s: Session) -> tuple:
+    async def restore_point(self, s: Session) -> RestorePoint:
         """Where a held session is now (its row and history length), for a generation whose
-        response may never leave to go back to (Stream.undo: finish_generation puts it back)."""
+        response may never leave to go back to (Stream.restore_point: finish_generation puts it back)."""
         eng = self.engines[s.model]
-        return await eng.call(lambda: eng.keep(s.slot)), len(s.tokens)
+        return RestorePoint(await eng.call(lambda: eng.keep(s.slot)), len(s.tokens))
 
     async def constrain(self, eng: Engine, c: Constraint | None, owner: str = "") -> Matcher | None:
         """The matcher of a request's constraint for `eng`, compiled off the event loop and the
@@ -273,15 +275,15 @@ class Runtime:
         return await open_generation(self, req)
 
     def generate(self, s: Session, params: SamplingParams, logprobs: int | None = None,
-                 matcher: Matcher | None = None, undo: tuple | None = None) -> Stream:
+                 matcher: Matcher | None = None, restore_point: RestorePoint | None = None) -> Stream:
         """Submit a generation. The session stays busy until `finish_generation` has persisted
         the state over exactly the tokens the client received. `matcher`: the grammar its
-        tokens follow (a fresh one per generation: it is the job's); `undo`: where the session
-        goes back to if the response never leaves (`mark`)."""
+        tokens follow (a fresh one per generation: it is the job's); `restore_point`: where the
+        session goes back to if the response never leaves."""
         if s.position == 0:
             raise APIError(400, "empty_session", "the session holds no tokens yet: push a prompt first")
         eng = self.engines[s.model]
-        self.room(s, params.max_tokens, "generation")
+        self.check_budget(s, params.max_tokens, "generation")
         self.admission.admit(eng, s.owner)
         self.admission.opened(eng, s.owner)
 
@@ -293,8 +295,8 @@ class Runtime:
         job = Job(s.slot, params, asyncio.get_running_loop(), logprobs, finished, owner=s.owner, matcher=matcher)
         eng.submit(job)
         st = Stream(job, eng, s, lambda: self.finish_generation(st), self.spawn)
-        st.undo = undo
-        self.open.add(st)
+        st.restore_point = restore_point
+        self.streams.add(st)
         return st
 
     async def finish_generation(self, st: Stream) -> None:
@@ -311,38 +313,38 @@ class Runtime:
                 del s.tokens[len(s.tokens) - extra:]
                 job.yielded = job.consumed
                 job.error += f"; the last {extra} token(s) sent could not be applied and are not part of the session"
-            if st.undo is not None and st.abandoned:  # a response that never left: the session as before it
-                row, n = st.undo
-                job.state = await st.eng.call(lambda: st.eng.put_back(s.slot, row, read=not s.ephemeral))
-                del s.tokens[n:]
-            await self.held.persist(s, job.state)
+            point = st.restore_point
+            if point is not None and st.abandoned:  # a response that never left: the session as before it
+                job.state = await st.eng.call(lambda: st.eng.put_back(s.slot, point.row, read=not s.ephemeral))
+                del s.tokens[point.length:]
+            await self.residency.persist(s, job.state)
             job.state = None  # written: a KV cache's copy must not outlive the request
-            if s.id in self.reuse.turns and job.finish != "error":
-                await self.reuse.cache_turn(s, st.eng, job)
+            if s.id in self.prefix_reuse.turns and job.finish != "error":
+                await self.prefix_reuse.cache_turn(s, st.eng, job)
                 if self.prefixes.tier is not None:  # in Redis before the answer ends: the next turn may go elsewhere
                     await self.prefixes.tier.written()
         finally:
-            self.open.discard(st)
+            self.streams.discard(st)
             s.last_used_at = time.time()
-            await self.held.release(s)
+            await self.residency.release(s)
             if s.ephemeral:
                 await self.delete(s)
 
     async def state_blob(self, s: Session) -> bytes:
-        return await self.copies.state_blob(s)
+        return await self.snapshots.state_blob(s)
 
-    async def snapshot(self, s: Session):
-        return await self.copies.take(s)
+    async def snapshot(self, s: Session) -> tuple[Snapshot, int]:
+        return await self.snapshots.take(s)
 
     async def restore_snapshot(self, snapshot_id: str, owner: str, affinity: str | None = None) -> Session:
         meta, blob = await self.records.snapshot(snapshot_id, owner)
         return await self.restore(blob, meta["model"], owner, affinity)
 
     async def restore(self, blob: bytes, model: str | None = None, owner: str = "", affinity: str | None = None) -> Session:
-        return await self.copies.restore(blob, self.engine(model) if model else None, owner, affinity)
+        return await self.snapshots.restore(blob, self.engine(model) if model else None, owner, affinity)
 
     async def fork(self, s: Session) -> Session:
-        return await self.copies.fork(s)
+        return await self.snapshots.fork(s)
 
     async def remove(self, sid: str, owner: str) -> None:
         """DELETE: works on a session whose stored record is damaged too (its owner checked from
@@ -356,19 +358,19 @@ class Runtime:
             await self.records.forget(sid)
             log.warning("session %s: damaged record deleted (%s)", sid, e.message)
             return
-        await self.held.written(s)  # a write-back before its slot is given up: not a request, no 409
+        await self.residency.written(s)  # a write-back before its slot is given up: not a request, no 409
         if s.busy:
             raise APIError(409, "session_busy", f"session {sid!r} is serving another request; retry when it ends")
         await self.delete(s)
 
     async def delete(self, s: Session) -> None:
-        self.reuse.turns.pop(s.id, None)
-        await self.held.delete(s)
+        self.prefix_reuse.turns.pop(s.id, None)
+        await self.residency.delete(s)
         if self.engines[s.model].kv_token_bytes:  # its KV cache may have been the longest: room given back
             await asyncio.to_thread(self.heap.trim)
 
     # ---- budgets -------------------------------------------------------------------------
-    def room(self, s: Session, more: int, what: str) -> None:
+    def check_budget(self, s: Session, more: int, what: str) -> None:
         """Refuse, before any work, a push or generation of up to `more` tokens that would take the
         session past its history limit or, on a KV-cache model, past its KV byte budgets."""
         cfg, eng = self.settings, self.engines[s.model]

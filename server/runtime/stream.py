@@ -11,11 +11,21 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from linstream.model.state import State
+
 from ..core.errors import StoreUnavailable
 from ..engine.engine import Engine
 from ..engine.jobs import Job
 from ..sessions.session import Session
 from .constraints import failure
+
+
+@dataclass
+class RestorePoint:
+    """Where a held session was before a generation whose response may never leave
+    (Runtime.restore_point): finish_generation puts it back there if the response did not."""
+    row: State  # the session's state row, as the engine copied it (Engine.keep)
+    length: int  # its history's length then
 
 
 @dataclass
@@ -35,9 +45,9 @@ class Stream:
                  spawn: Callable[[Awaitable], asyncio.Task]):
         self.job, self.eng, self.session = job, eng, session
         self.start = session.position  # the position the generation starts from
-        # (row, history length) the session goes back to if the generation's response never
-        # leaves (a non-streamed one whose client leaves first: Runtime.mark), and whether it did not
-        self.undo: tuple | None = None
+        # where the session goes back to if the generation's response never leaves (a
+        # non-streamed one whose client leaves first), and whether it did not
+        self.restore_point: RestorePoint | None = None
         self.abandoned = False
         self.temporary = False  # its session was made for this request alone, and is deleted when it ends
         self.prompt: Prompt | None = None  # what its request pushed first (runtime/generation.py)
@@ -67,7 +77,7 @@ class Stream:
             self.job.closing = self._spawn(self._finish())
         return self.job.closing
 
-    def let_go(self) -> None:
+    def release(self) -> None:
         """Once no more of the job's tokens can reach the client: cancel what is left of it, and
         have the session persisted and released (or, if temporary, deleted) once, after the engine
         is done with it."""
@@ -114,4 +124,4 @@ async def events(st: Stream) -> AsyncIterator[tuple[str, dict]]:
             st.delivered(ev["token"])  # reached only once the event was handed over
     finally:
         st.abandoned = not done_taken
-        st.let_go()
+        st.release()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 
 from linstream.model.footprint import footprint
+from linstream.model.tokenizer import Tokenizer
 
 from ...core.auth import Owner
 from ...core.errors import APIError, body
@@ -66,7 +67,7 @@ class Run:
         return self.stream.session
 
     @property
-    def tok(self):
+    def tok(self) -> Tokenizer:
         return self.stream.eng.tok
 
 
@@ -135,10 +136,10 @@ class Choices:
         self.start, self.count, self.per, self.at_once = start, count, per, at_once
         self.runs: dict[int, Run] = {0: first}
 
-    def let_go(self) -> None:
+    def release(self) -> None:
         """The response is over: every run still going is cancelled and its session let go."""
         for run in list(self.runs.values()):
-            run.stream.let_go()
+            run.stream.release()
 
     async def events(self) -> AsyncIterator[tuple[int, Run, str, dict | None]]:
         """(k, run, kind, event) for every choice as its events come: kind "start" once as the run
@@ -153,7 +154,7 @@ class Choices:
                     yield 0, run, kind, ev
             finally:
                 await gen.aclose()
-                self.let_go()
+                self.release()
             return
         ready: asyncio.Queue = asyncio.Queue()  # tasks as they finish
         tasks: dict[asyncio.Task, tuple[str, int]] = {}  # ("start" | "event", k)
@@ -217,8 +218,8 @@ class Choices:
         finally:
             for t, (what, _) in tasks.items():
                 t.cancel()  # a start stops where it is (its prefill at the next slice); one past its end is let go
-                t.add_done_callback(_let_go_started if what == "start" else _retrieved)
-            self.let_go()
+                t.add_done_callback(_release_started if what == "start" else _retrieved)
+            self.release()
 
 
 def _retrieved(t: asyncio.Task) -> BaseException | None:
@@ -226,12 +227,12 @@ def _retrieved(t: asyncio.Task) -> BaseException | None:
     return None if t.cancelled() else t.exception()
 
 
-def _let_go_started(t: asyncio.Task) -> None:
+def _release_started(t: asyncio.Task) -> None:
     if _retrieved(t) is None and not t.cancelled():
-        t.result().stream.let_go()
+        t.result().stream.release()
 
 
-def _streamed(rt, req: OpenAISampling, base: dict, choices: Choices, render) -> object:
+def _streamed(rt: Runtime, req: OpenAISampling, base: dict, choices: Choices, render) -> object:
     """SSE over a request's choices as their events come. `render(k, run, kind, ev, sent)` -> the
     chunks of one event, `sent` being the text choice k has streamed so far. The usage chunk only
     if stream_options asks."""
@@ -260,7 +261,7 @@ def _streamed(rt, req: OpenAISampling, base: dict, choices: Choices, render) -> 
         if req.include_usage and not failed:
             yield data_frame({**base, "choices": [], "usage": _usage(prompt, completion)})
         yield DONE_FRAME
-    return sse_response(gen(), choices.let_go, rt.settings)
+    return sse_response(gen(), choices.release, rt.settings)
 
 
 async def _gathered(choices: Choices) -> dict[int, tuple[Run, dict]]:
@@ -277,7 +278,7 @@ async def _gathered(choices: Choices) -> dict[int, tuple[Run, dict]]:
     return out
 
 
-def _logprobs_obj(tok, entries, offset: int = 0):
+def _logprobs_obj(tok: Tokenizer, entries: list[tuple], offset: int = 0) -> dict:
     """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset. As OpenAI
     and vLLM give them, each top_logprobs holds the token itself beside the `logprobs` most likely
     (up to logprobs + 1 entries)."""
@@ -301,7 +302,7 @@ def _prompts(req: Completion) -> list[str | list[int]]:
     return [p]
 
 
-async def _token_prompts(rt, eng: Engine, prompts: list) -> list[list[int]]:
+async def _token_prompts(rt: Runtime, eng: Engine, prompts: list) -> list[list[int]]:
     out = []
     for i, p in enumerate(prompts):
         ids = await (rt.tokens_of(eng, p, None) if isinstance(p, str) else rt.tokens_of(eng, None, p))
@@ -476,7 +477,7 @@ def _render_calls(base: dict, calls: Calls, k: int, run: Run, kind: str, ev: dic
 STARTED = int(time.time())
 
 
-def model_card(rt, name: str, e: Engine) -> dict:
+def model_card(rt: Runtime, name: str, e: Engine) -> dict:
     """A /v1/models entry. A recurrent model has no context window: max_model_len is what one
     request may carry (prompt + new tokens), the figure vLLM-style clients size prompts by."""
     cfg = rt.settings

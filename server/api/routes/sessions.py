@@ -92,7 +92,7 @@ async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
         owner, req.to_params(rt.settings.max_new_tokens), session_id=sid, logprobs=req.logprobs,
         constraint=constraint(req), one_body=not req.stream))
     if req.stream:
-        return sse_response(sse(st), st.let_go, rt.settings)
+        return sse_response(sse(st), st.release, rt.settings)
     return json_body(await collect(st))
 
 

@@ -59,12 +59,12 @@ async def test_the_job_ends_before_its_last_token_is_delivered(rt, model):
 @pytest.mark.parametrize("n", [1, 3])
 async def test_a_last_token_that_never_leaves_is_taken_back(rt, model, n, monkeypatch):
     persisted = []
-    persist = rt.held.persist
+    persist = rt.residency.persist
 
     async def recording(s, state=None, finite=False):
         persisted.append(state)
         await persist(s, state, finite)
-    monkeypatch.setattr(rt.held, "persist", recording)
+    monkeypatch.setattr(rt.residency, "persist", recording)
     s, prompt, st = await stream(rt, model, n)
     gen = events(st)
     got = []
@@ -76,7 +76,7 @@ async def test_a_last_token_that_never_leaves_is_taken_back(rt, model, n, monkey
             assert st.job.consumed == n and st.job.yielded == n - 1
             break
         got.append(ev["token"])
-    await gen.aclose()  # the handler's `finally`: let_go, then the persist
+    await gen.aclose()  # the handler's `finally`: release, then the persist
     await st.job.closing
     assert st.job.consumed == n - 1 and st.job.saved is None
     assert s.tokens == prompt + got and not s.busy
