@@ -11,9 +11,11 @@ state already held.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import orjson
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from ...core.auth import Owner
 from ...core.errors import APIError, StoreUnavailable
@@ -23,6 +25,7 @@ from ...runtime.constraints import error_status
 from ...runtime.generation import separator
 from ...sessions.responses import new_response_id
 from ...sessions.session import new_id
+from ..disconnect import ClientGone, unless_gone
 from ..openai_schemas import chat_prompt
 from ..responses_schemas import CreateResponse, ResponseDeleted, ResponseObject, messages, unsupported
 from ..schemas import answers, streamed
@@ -30,6 +33,7 @@ from ..streaming import collect, events, sse_response
 from .deps import RT, json_body
 
 router = APIRouter(prefix="/v1/responses", tags=["openai"])
+T = TypeVar("T")
 
 
 class Draft:
@@ -82,7 +86,7 @@ def render(msgs):
 
 
 @router.post("", responses=streamed(ResponseObject))
-async def create(req: CreateResponse, rt: RT, owner: Owner):
+async def create(req: CreateResponse, rt: RT, owner: Owner, request: Request):
     unsupported(req)
     msgs = messages(req)
     if not msgs:
@@ -97,7 +101,7 @@ async def create(req: CreateResponse, rt: RT, owner: Owner):
     if req.stream:
         return sse_response(_events(draft, turn, owner), turn.ended, rt.settings)
     try:
-        done = await collect(turn.stream)
+        done = await _unless_gone(collect(turn.stream), request)  # a client that leaves stops the work
         if "error" in done:
             raise APIError(error_status(done["error"]), done["error"]["type"], done["error"]["message"],
                            param=done["error"].get("param"))
@@ -106,6 +110,16 @@ async def create(req: CreateResponse, rt: RT, owner: Owner):
     finally:
         turn.ended()
     return json_body(out)
+
+
+async def _unless_gone(work: Awaitable[T], request: Request) -> T:
+    """`work`'s result, or, if the client leaves first, `work` cancelled (api/disconnect.py) and a
+    499 that nobody reads: a response answered in one body is then neither finished nor stored
+    (no client was given its id)."""
+    try:
+        return await unless_gone(work, request.receive)
+    except ClientGone:
+        raise APIError(499, "client_closed", "the client closed the connection") from None
 
 
 def _frame(kind: str, data: dict) -> bytes:

@@ -3,6 +3,7 @@ within a step or two of the hang-up (streamed or not, several choices or prompts
 a long prompt included), no temporary session stays behind, and a session answered in one JSON
 body is left exactly as it was before the request (docs/api.md, "A client that leaves")."""
 import json
+import os
 import re
 import socket
 import time
@@ -101,6 +102,29 @@ def test_a_long_prompt_stops_prefilling_when_its_client_leaves(c, server):
     before = counter(c, "linstream_prompt_tokens")
     hang_up(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "stream": True}, after=0.2)  # in the first
     assert stopped(c, "linstream_prompt_tokens", before) == 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's CPU time so far, all its threads (utime + stime of /proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # from field 3 (state) on: the name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_non_streamed_response_stops_and_stores_nothing_when_its_client_leaves(c, server):
+    """POST /v1/responses answered in one body: a client that hangs up leaves the server idle
+    within moments (a generation running on for nobody keeps a core busy), and no response or
+    session is stored (none whose id no client was given)."""
+    before = counter(c, "linstream_tokens_generated")
+    hang_up(server, "/v1/responses", {"input": PROMPT, "max_output_tokens": MAX_NEW, "temperature": 1.0,
+                                      "store": True}, after=1.0)
+    time.sleep(0.5)  # the hang-up reaches the server and the generation winds down
+    used = cpu_seconds(server.proc.pid)
+    time.sleep(1.5)
+    used = cpu_seconds(server.proc.pid) - used
+    assert used < 0.3, f"the server used {used:.2f} CPU-s in the 1.5 s after its client left"
+    made = stopped(c, "linstream_tokens_generated", before)  # and no session is left
+    assert 0 < made < MAX_NEW  # it was generating, and stopped long before its end
 
 
 def state_of(c, sid):
