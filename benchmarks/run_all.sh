@@ -42,6 +42,7 @@ serving() {  # over HTTP against a real `linstream serve`
   python -m benchmarks.serving.history_append                                          # serving/history_append.json
   python -m benchmarks.serving.prefix_chat                                             # serving/prefix_chat.json, .png
   python -m benchmarks.serving.responses_chain --reps 25                               # serving/responses_chain.json
+  python -m benchmarks.serving.client_state --replicas 2 --reps 15                    # serving/client_state.json
   python -m benchmarks.serving.cluster           # serving/cluster.json (serve --replicas: HAProxy, Redis)
   if [ -n "${BEFORE:-}" ]; then  # a checkout to compare with: git archive REV | tar -x -C "$BEFORE"
     python -m benchmarks.serving.request_cpu --before "$BEFORE" --rounds 4 --n 800     # serving/request_cpu.json

@@ -18,6 +18,7 @@ from linstream.model.sampling import SamplingParams
 from ..core.errors import APIError
 from .schemas import (DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, Body, Guided, Name, Prompt,
                       ResponseBody, Sampling, Tokens, Usage)
+from .state_schemas import StateFields
 
 MAX_N = 16  # choices per prompt (n, best_of)
 PLAIN_TRANSCRIPT = ChatTemplate(BUILT_IN, "built-in")
@@ -57,8 +58,8 @@ class ResponseFormat(Body):
     json_schema: JsonSchemaFormat | None = None
 
 
-class OpenAISampling(Sampling, Guided):
-    """What both routes take besides their prompt."""
+class OpenAISampling(Sampling, Guided, StateFields):
+    """What both routes take besides their prompt (StateFields: `return_state`, `state`)."""
     model_config = ConfigDict(extra="ignore")
     model: Name | None = None
     stream: bool = False

@@ -19,6 +19,7 @@ from linstream.model.sampling import SamplingParams
 from ..core.errors import APIError
 from .openai_schemas import MAX_MESSAGES, MAX_PARTS, MAX_TOOLS, Message
 from .schemas import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_SEED, Body, Name, Prompt, ResponseBody
+from .state_schemas import StateFields
 
 TEXT_PARTS = ("input_text", "output_text", "text")  # content parts read as text
 
@@ -48,7 +49,7 @@ class TextConfig(Body):
     format: TextFormat | None = None
 
 
-class CreateResponse(Body):
+class CreateResponse(Body, StateFields):
     model_config = ConfigDict(extra="ignore")
     model: Name | None = None
     input: Prompt | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)] = Field(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from linstream.model.sampling import SamplingParams
@@ -22,6 +23,7 @@ from ..core.errors import APIError
 from ..engine.engine import Engine
 from ..sessions.session import Session
 from .constraints import Constraint
+from .client_state import HandBack, StateRef, check_returnable, continue_from, engine_of
 from .stream import Prompt, Stream
 
 if TYPE_CHECKING:
@@ -44,6 +46,11 @@ class GenerationRequest:
     constraint: Constraint | None = None  # what the output follows (api/structured.py)
     one_body: bool = False  # answered in one JSON body: a continued session goes back to where it was
     # if the client leaves before the body is ready (`Runtime.restore_point`)
+    state: StateRef | None = None  # a state handed back earlier to go on from, on a temporary session
+    return_state: bool | str = False  # hand back the state after the last token (True, or "blob")
+    # chat, with return_state: the transcript's text after the prompt given the engine and the
+    # answer's text, up to where the next message begins (client_state.HandBack.closing)
+    closing: Callable[[Engine, str], str | None] | None = None
 
 
 async def open_generation(rt: Runtime, req: GenerationRequest) -> Stream:
@@ -52,6 +59,9 @@ async def open_generation(rt: Runtime, req: GenerationRequest) -> Stream:
     if s is not None and req.model and req.model != s.model:
         raise APIError(400, "invalid_request", f"session {s.id!r} runs model {s.model!r}")
     eng = rt.engines[s.model] if s is not None else rt.engine(req.model)
+    blob = None
+    if req.state is not None:  # the state's model (a request's `model` must name it)
+        eng, blob = await engine_of(rt, req.state, req.owner, req.model)
     check_vocabulary(req.params, eng)
     if callable(req.prompt):  # chat messages, rendered by the model's chat template
         req.prompt = req.prompt(eng)
@@ -59,13 +69,16 @@ async def open_generation(rt: Runtime, req: GenerationRequest) -> Stream:
     ids, text = [], req.prompt if isinstance(req.prompt, str) else None
     if req.prompt is not None:
         ids = await (rt.prompt_tokens(eng, req.owner, text) if text is not None else rt.tokens_of(eng, None, req.prompt))
-        if not ids and (s is None or s.position == 0):
+        if not ids and blob is None and (s is None or s.position == 0):
             raise APIError(400, "empty_prompt", "the prompt is empty: send text or token ids" if s is None else
                            f"session {s.id!r} holds no tokens and the prompt is empty: send text or token ids")
     temporary = s is None
     if temporary:
         rt.admit(eng, req.owner)  # draining, overloaded or rate-limited: refused before any work
-        s = await rt.start_from_prefix(eng, req.owner, ids, req.follow, req.echo_logprobs is None, text)
+        if blob is not None:  # its prompt goes on from the state: pushed whole
+            s = await continue_from(rt, eng, blob, req.owner)
+        else:
+            s = await rt.start_from_prefix(eng, req.owner, ids, req.follow, req.echo_logprobs is None, text)
     try:
         async with rt.hold(s, release=False) as s:  # released once the final state is persisted
             if req.transcript and not temporary and s.tokens:  # the separator after a continued session's text
@@ -73,10 +86,19 @@ async def open_generation(rt: Runtime, req: GenerationRequest) -> Stream:
             start = s.position
             point = await rt.restore_point(s) if req.one_body and not temporary else None
             pushed = None
+            push = ids[start:] if temporary and blob is None else ids
+            check_returnable(rt, eng, req.return_state, s.position + len(push), req.params.max_tokens)
             if req.prompt is not None:
-                _, job = await rt.push(s, ids[start:] if temporary else ids, req.echo_logprobs)
+                _, job = await rt.push(s, push, req.echo_logprobs)
                 pushed = job.results if job is not None and req.echo_logprobs is not None else None
+            hand = HandBack(req.return_state) if req.return_state else None
+            if hand is not None:  # its client goes on from the state, not by sending the transcript again:
+                rt.prefix_reuse.turns.pop(s.id, None)  # the prefix cache keeps no end of this turn
+            if hand is not None and req.closing is not None:  # (the prompt's end: to prefill the answer again from)
+                hand.closing, hand.start = partial(req.closing, eng), s.position
+                hand.row = (await rt.restore_point(s)).row
             st = rt.generate(s, req.params, req.logprobs, matcher, restore_point=point)
+            st.hand_back = hand
     except BaseException:  # cancellation (the client left, shutdown) included
         if temporary:  # shielded: a second cancellation must not cut the delete short
             await asyncio.shield(rt.spawn(rt.delete(s)))

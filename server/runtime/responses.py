@@ -24,6 +24,7 @@ from linstream.model.tokenizer import Tokenizer
 from ..core.errors import APIError, not_found
 from ..sessions.responses import ResponseRecords
 from ..sessions.session import Session
+from .client_state import HandBack, StateRef, check_returnable, continue_from, engine_of
 from .generation import generate_on
 from .stream import Stream
 
@@ -74,11 +75,13 @@ class Turn:
 
 
 async def open_turn(rt: Runtime, owner: str, model: str | None, previous: str | None, render: Callable[[str | None, Tokenizer], str],
-                    params: SamplingParams, store: bool) -> Turn:
-    """Start generating a response: on a fork of the session of response `previous`, or on a new
-    session. `render(tail, tok)` -> the text this request adds, given the text of the last few tokens
-    of the state it goes on from (None for a new conversation)."""
-    parent = None
+                    params: SamplingParams, store: bool, state: StateRef | None = None,
+                    return_state: bool | str = False) -> Turn:
+    """Start generating a response: on a fork of the session of response `previous`, on a session
+    restored from a client's `state` (runtime/client_state.py), or on a new session. `render(tail,
+    tok)` -> the text this request adds, given the text of the last few tokens of the state it goes
+    on from (None for a new conversation). `return_state`: the state after it is handed back."""
+    parent, blob = None, None
     if previous:
         meta = await records(rt).get(previous, owner, "previous_response_id")
         parent = await _parent(rt, meta["session"], previous, owner)
@@ -86,11 +89,25 @@ async def open_turn(rt: Runtime, owner: str, model: str | None, previous: str | 
             raise APIError(400, "invalid_request", f"response {previous!r} was made by model {parent.model!r}, "
                            f"not {model!r}", param="model")
         eng = rt.engines[parent.model]
+    elif state is not None:
+        eng, blob = await engine_of(rt, state, owner, model)
     else:
         eng = rt.engine(model)
     rt.admit(eng, owner)  # draining, overloaded or rate-limited: refused before any work
-    ids = await rt.tokens_of(eng, render(eng.tok.decode(parent.tokens[-4:]) if parent else None, eng.tok), None)
-    if parent:  # the fork holds the conversation: this request's input is pushed whole
+    # a state's session holds the conversation: this request's input is pushed whole, as after a parent
+    restored = None if blob is None else await (rt.snapshots.restore(blob, eng, owner) if store else
+                                                continue_from(rt, eng, blob, owner))
+    base = parent or restored
+    try:
+        ids = await rt.tokens_of(eng, render(eng.tok.decode(base.tokens[-4:]) if base else None, eng.tok), None)
+        check_returnable(rt, eng, return_state, (base.position if base else 0) + len(ids), params.max_tokens)
+    except BaseException:
+        if restored is not None:
+            await asyncio.shield(rt.delete(restored))
+        raise
+    if restored is not None:
+        s, cached, push = restored, restored.position, ids
+    elif parent:  # the fork holds the conversation: this request's input is pushed whole
         s = await _fork(rt, parent, previous, owner)
         cached, push = s.position, ids
     elif store:  # prefilled by the create
@@ -100,6 +117,7 @@ async def open_turn(rt: Runtime, owner: str, model: str | None, previous: str | 
         s = await rt.start_from_prefix(eng, owner, ids)
         cached, push = s.position, ids[s.position:]
     st = await generate_on(rt, s, push, params)
+    st.hand_back = HandBack(return_state) if return_state else None
     return Turn(st, cached, store, rt)
 
 

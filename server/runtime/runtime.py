@@ -234,7 +234,8 @@ class Runtime:
         self.check_budget(s, len(ids), "push")
         t0 = time.perf_counter()
         try:
-            job = await eng.prefill(s.slot, ids, logprobs, read=not s.ephemeral, owner=s.owner) if ids else None
+            job = await eng.prefill(s.slot, ids, logprobs, read=not s.ephemeral, owner=s.owner,
+                                    checkpoints=s.checkpoints.hook()) if ids else None
         except NonFiniteState as e:  # the session's state (a restored one) cannot take these tokens
             raise APIError(422, "non_finite_state", str(e)) from None
         except PrefillCancelled as e:  # the client left: the push stopped and was undone, or it was whole by then
@@ -292,7 +293,8 @@ class Runtime:
             self.usage.add(s.owner, completion_tokens=j.emitted, generations=1)
             if not s.ephemeral:  # the row is final: read it now, saving persist a round trip
                 j.state = eng.read(j.slot)
-        job = Job(s.slot, params, asyncio.get_running_loop(), logprobs, finished, owner=s.owner, matcher=matcher)
+        job = Job(s.slot, params, asyncio.get_running_loop(), logprobs, finished, owner=s.owner, matcher=matcher,
+                  checkpoints=s.checkpoints.hook(), position=s.position)
         eng.submit(job)
         st = Stream(job, eng, s, lambda: self.finish_generation(st), self.spawn)
         st.restore_point = restore_point
@@ -323,6 +325,8 @@ class Runtime:
                 await self.prefix_reuse.cache_turn(s, st.eng, job)
                 if self.prefixes.tier is not None:  # in Redis before the answer ends: the next turn may go elsewhere
                     await self.prefixes.tier.written()
+            if st.hand_back is not None and job.finish != "error" and not st.abandoned:  # return_state
+                await st.hand_back.make(self, s, job.params.stop if job.finish == "stop" else [])
         finally:
             self.streams.discard(st)
             s.last_used_at = time.time()

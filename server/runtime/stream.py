@@ -51,6 +51,7 @@ class Stream:
         self.abandoned = False
         self.temporary = False  # its session was made for this request alone, and is deleted when it ends
         self.prompt: Prompt | None = None  # what its request pushed first (runtime/generation.py)
+        self.hand_back = None  # return_state: the state handed back when it ends (runtime/client_state.py)
         self._finish, self._spawn = finish, spawn
 
     def delivered(self, token: int) -> None:

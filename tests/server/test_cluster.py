@@ -126,6 +126,39 @@ def test_a_chat_continues_from_its_prefix_on_whichever_replica_serves_the_next_t
     assert gained == [1, 1, 1]  # turns 2, 3 and 4, each on a replica that had not seen the chat
 
 
+def test_a_chat_goes_on_from_its_returned_state_on_any_replica_with_no_routing_key(up):
+    """Each turn sends its new message and the last answer's state through the proxy (round robin):
+    the blob continues wherever the turn lands, a snapshot id through the shared store; both answer
+    as one server given the whole conversation each turn."""
+    turns = ["Hello, who are you?", "Tell me about the sea.", "And the mountains?", "Thank you."]
+
+    async def whole(c):
+        messages, answers = [], []
+        for text in turns:
+            messages.append({"role": "user", "content": text})
+            r = await c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6, **GREEDY})
+            answers.append(r.json()["choices"][0]["message"]["content"])
+            messages.append({"role": "assistant", "content": answers[-1]})
+        return answers
+    want = single(whole)
+
+    with httpx.Client(base_url=up.url, timeout=30) as c:
+        for how in ("blob", "id"):
+            state, answers, replicas = None, [], set()
+            for text in turns:
+                body = {"messages": [{"role": "user", "content": text}], "max_tokens": 6, **GREEDY,
+                        "return_state": "blob" if how == "blob" else True}
+                if state is not None:
+                    body["state"] = {"blob": state["blob"]} if how == "blob" else state["snapshot_id"]
+                r = c.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                answers.append(r.json()["choices"][0]["message"]["content"])
+                state = r.json()["state"]
+                replicas.add(r.headers["x-linstream-replica"])
+            assert answers == want, how
+            assert len(replicas) >= 2, how  # round robin: the turns were served by more than one replica
+
+
 def _stream_tokens(c: httpx.Client, sid: str, n: int, stop_after: int | None = None, on_stop=None, sampling=None):
     """Stream a generation of n tokens (greedy, or `sampling`); after `stop_after` tokens call
     `on_stop(replica)` and stop reading. -> (tokens, the replica that streamed them)."""

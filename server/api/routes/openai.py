@@ -23,12 +23,14 @@ from ...core.errors import APIError, body
 from ...engine.engine import Engine
 from ...engine.prompts import context_limit, context_phrase
 from ...runtime.constraints import Constraint, error_status
+from ...runtime.client_state import refuse_one, state_ref
 from ...runtime.generation import GenerationRequest
 from ...runtime.runtime import Runtime
 from ...sessions.session import Session
 from ..openai_schemas import (MAX_RUNS, PLAIN_TRANSCRIPT, Chat, ChatCompletion, Completion, ModelCard, ModelList,
                               OpenAISampling, TextCompletion, chat_prompt, unsupported)
 from ..schemas import answers, streamed
+from .. import chat_turns
 from ..streaming import DONE_FRAME, Gathered, Stream, data_frame, events, sse_response
 from ..structured import Calls, check, constraint, tool_plan
 from .deps import RT, json_body
@@ -73,16 +75,18 @@ class Run:
 
 async def _run(rt: Runtime, req: OpenAISampling, owner: str, prompt: str | list[int], echo_logprobs: int | None,
                logprobs: int | None, choice: int = 0, transcript: bool = False, follow: str = "",
-               constraint: Constraint | None = None) -> Run:
+               constraint: Constraint | None = None, closing=None) -> Run:
     """Choice `choice` of the request, started by the runtime (runtime/generation.py): on the
-    session `session_id` names, or on a temporary one. `transcript`: the prompt is chat turns;
-    `follow`: what the next request puts after this completion; `constraint`: what the output
-    follows (api/structured.py)."""
+    session `session_id` names, or on a temporary one (from the state `state` names, if any).
+    `transcript`: the prompt is chat turns; `follow`: what the next request puts after this
+    completion; `constraint`: what the output follows (api/structured.py); `closing`: a chat's
+    end of an answer, for `return_state` (api/chat_turns.py)."""
     limit = rt.settings.max_new_tokens
     req.new_tokens(limit, context_phrase(rt.settings))  # refused before any work
     return Run(await rt.open_generation(GenerationRequest(
         owner, req.to_params(limit, choice), req.model, req.session_id, prompt, transcript=transcript, follow=follow,
-        echo_logprobs=echo_logprobs, logprobs=logprobs, constraint=constraint, one_body=not req.stream)))
+        echo_logprobs=echo_logprobs, logprobs=logprobs, constraint=constraint, one_body=not req.stream,
+        state=state_ref(req.state, rt.settings.state_blob_bytes), return_state=req.return_state, closing=closing)))
 
 
 def _runs(req: OpenAISampling, count: int) -> None:
@@ -90,6 +94,20 @@ def _runs(req: OpenAISampling, count: int) -> None:
         raise APIError(422, "invalid_request", f"prompts x best_of (or n) = {count} exceeds {MAX_RUNS}")
     if count > 1 and req.session_id:
         raise APIError(400, "invalid_request", "session_id continues one session: send one prompt with n = 1")
+    if req.return_state:  # one state per request, and a session keeps its own
+        refuse_one("return_state", count, req.session_id)
+    if req.state is not None:
+        refuse_one("state", 1, req.session_id)
+
+
+def _state_of(first: Run) -> dict:
+    """The answer's `state` field when `return_state` asked for it (a refusal raised instead)."""
+    hand = first.stream.hand_back
+    if hand is None:
+        return {}
+    if isinstance(hand.result, APIError):
+        raise hand.result
+    return {"state": hand.result}
 
 
 def _at_once(rt: Runtime, first: Run, count: int) -> int:
@@ -260,6 +278,11 @@ def _streamed(rt: Runtime, req: OpenAISampling, base: dict, choices: Choices, re
             failed = True
         if req.include_usage and not failed:
             yield data_frame({**base, "choices": [], "usage": _usage(prompt, completion)})
+        if not failed and req.return_state:  # the state after the last token, in the last event
+            try:
+                yield data_frame({**base, "choices": [], **_state_of(choices.runs[0])})
+            except APIError as e:
+                yield data_frame(body(e.type, e.message, e.param, e.code))
         yield DONE_FRAME
     return sse_response(gen(), choices.release, rt.settings)
 
@@ -384,7 +407,7 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
             out.append({"index": pi * n + j, "text": prefix + done["text"], "finish_reason": _finish(done),
                         "logprobs": lps})
     return json_body({**base, "choices": out, "usage": _usage(prompt_tokens, completion_tokens),
-                      **({"session_id": first.session.id} if not first.temp else {})})
+                      **({"session_id": first.session.id} if not first.temp else {}), **_state_of(first)})
 
 
 def _chat_logprobs(tok, entries) -> dict:
@@ -407,13 +430,17 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
     wanted = tools.constraint() if tools is not None and tools.calls else constraint(req)
     # rendered by the chat template of the model that runs it (runtime/generation.py calls it)
     text = lambda eng: (tools.prompt() if tools is not None else "") + chat_prompt(req.messages, eng.tok.chat_template)  # noqa: E731
+    if req.state is not None:  # the messages after the state's conversation (its tools' prompt included)
+        text = lambda eng: chat_turns.continued(req.messages, eng)  # noqa: E731
+    closing = chat_turns.closing(req.messages, req.state is not None) if req.return_state else None
     lp = (req.top_logprobs or 0) if req.logprobs else None
     calls = {}  # choice -> its tool calls as they come, when the output is a tool call
 
     async def start(k: int):
         if k and not req.stream:
             await _gone(request)
-        return await _run(rt, req, owner, text, None, lp, k, transcript=True, follow="\n\n", constraint=wanted)
+        return await _run(rt, req, owner, text, None, lp, k, transcript=True, follow="\n\n", constraint=wanted,
+                          closing=closing)
 
     first = await start(0)
     choices = Choices(start, first, req.n, req.n, _at_once(rt, first, req.n))
@@ -450,7 +477,7 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
         out.append({"index": k, "message": message, "finish_reason": finish, "logprobs": lps})
         usage = _usage(done["usage"]["prompt_tokens"], usage["completion_tokens"] + done["usage"]["completion_tokens"])
     return json_body({**base, "object": "chat.completion", "choices": out, "usage": usage,
-                      **({"session_id": first.session.id} if not first.temp else {})})
+                      **({"session_id": first.session.id} if not first.temp else {}), **_state_of(first)})
 
 
 def _complete(st: Stream) -> bool:

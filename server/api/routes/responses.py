@@ -22,6 +22,7 @@ from ...core.errors import APIError, StoreUnavailable
 from ...engine.prompts import context_phrase
 from ...runtime import responses
 from ...runtime.constraints import error_status
+from ...runtime.client_state import refuse_one, state_ref
 from ...runtime.generation import separator
 from ...sessions.responses import new_response_id
 from ...sessions.session import new_id
@@ -96,7 +97,11 @@ async def create(req: CreateResponse, rt: RT, owner: Owner, request: Request):
         raise APIError(413, "max_tokens_too_large", f"{context_phrase(rt.settings)}; max_output_tokens="
                        f"{params.max_tokens} exceeds {rt.settings.max_new_tokens}", param="max_output_tokens",
                        code="context_length_exceeded")
-    turn = await responses.open_turn(rt, owner, req.model, req.previous_response_id, render(msgs), params, req.store)
+    if req.state is not None or req.return_state:  # one state per request, from one place
+        refuse_one("state" if req.state is not None else "return_state", 1, None,
+                   "previous_response_id" if req.state is not None and req.previous_response_id else None)
+    turn = await responses.open_turn(rt, owner, req.model, req.previous_response_id, render(msgs), params, req.store,
+                                     state_ref(req.state, rt.settings.state_blob_bytes), req.return_state)
     draft = Draft(req, new_response_id(), turn.session.model)
     if req.stream:
         return sse_response(_events(draft, turn, owner), turn.ended, rt.settings)
@@ -106,10 +111,22 @@ async def create(req: CreateResponse, rt: RT, owner: Owner, request: Request):
             raise APIError(error_status(done["error"]), done["error"]["type"], done["error"]["message"],
                            param=done["error"].get("param"))
         out = draft.finished(done, done["text"], turn.cached)
+        state = _state_of(turn)  # (a state that could not be kept: refused before the response is)
         await turn.keep(draft.id, owner, out)
     finally:
         turn.ended()
-    return json_body(out)
+    return json_body({**out, **state})
+
+
+def _state_of(turn: responses.Turn) -> dict:
+    """The response's `state` field when `return_state` asked for it (a refusal raised instead);
+    the stored response does not keep it."""
+    hand = turn.stream.hand_back
+    if hand is None:
+        return {}
+    if isinstance(hand.result, APIError):
+        raise hand.result
+    return {"state": hand.result}
 
 
 async def _unless_gone(work: Awaitable[T], request: Request) -> T:
@@ -154,6 +171,11 @@ async def _events(draft: Draft, turn: responses.Turn, owner: str):
         full = "".join(text)
         out = draft.finished(ev, full, turn.cached)
         try:
+            state = _state_of(turn)
+        except APIError as e:
+            yield event("error", code=e.type, message=e.message, param=e.param)
+            return
+        try:
             await turn.keep(draft.id, owner, out)
         except StoreUnavailable as e:  # the client is told, and the session let go
             yield event("error", code="store_unavailable", message=f"the response could not be stored: {e}", param=None)
@@ -161,7 +183,7 @@ async def _events(draft: Draft, turn: responses.Turn, owner: str):
         yield event("response.output_text.done", **where, text=full, logprobs=[])
         yield event("response.content_part.done", **where, part=part(full))
         yield event("response.output_item.done", output_index=0, item=out["output"][0])
-        yield event(f"response.{out['status']}", response=out)
+        yield event(f"response.{out['status']}", response={**out, **state})
 
 
 @router.get("/{rid}", responses=answers(ResponseObject))
