@@ -239,6 +239,7 @@ class Health(ResponseBody):
 
 class Build(ResponseBody):
     version: str
+    commit: str | None = Field(description="the git commit, where the server runs from a checkout; else null")
     torch: str
     kernel: str | None = Field(description="the kind of our matmul this CPU runs; null where none")
 

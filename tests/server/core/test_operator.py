@@ -98,9 +98,11 @@ def test_cors_preflight_and_exposed_headers(server):
 def test_version_route_and_flag(server):
     v = server.get("/version", headers=KEY).json()
     assert v["version"] and v["torch"] and "kernel" in v
+    assert v["commit"] is None or len(v["commit"]) == 40  # this checkout's commit, where it runs from one
     assert server.get("/version").status_code == 401
     from linstream.cli import app
-    assert CliRunner().invoke(app, ["--version"]).output.startswith(f"linstream {v['version']} (torch {v['torch']}")
+    at = f" at {v['commit'][:12]}" if v["commit"] else ""
+    assert CliRunner().invoke(app, ["--version"]).output.startswith(f"linstream {v['version']}{at} (torch {v['torch']}")
 
 
 def test_head_on_the_health_checks(server):
@@ -185,3 +187,15 @@ def test_text_lines_name_the_request_and_where_replicas_meet_the_replica():
         logs.REQUEST_ID.reset(token)
     assert logs.Text(named=True).format(record) == "INFO:     [host:8001] linstream.engine: slot 3 freed [req_1]"
     assert logs.Text().format(record) == "INFO:     linstream.engine: slot 3 freed [req_1]"
+
+
+def test_commit_read_from_a_checkout(tmp_path):
+    from linstream.server.core.build import commit
+    git = tmp_path / ".git"
+    (git / "refs" / "heads").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    (git / "packed-refs").write_text("# pack-refs with: peeled\n" + "a" * 40 + " refs/heads/main\n")
+    assert commit(tmp_path) == "a" * 40
+    (git / "refs" / "heads" / "main").write_text("b" * 40 + "\n")
+    assert commit(tmp_path) == "b" * 40
+    assert commit(tmp_path / "not-a-checkout") is None
