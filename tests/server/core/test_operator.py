@@ -45,8 +45,9 @@ def log_lines(c) -> list[dict]:
     return [json.loads(ln) for ln in c.log.read().splitlines() if ln.strip()]
 
 
+@pytest.mark.slow
 def test_a_bad_setting_is_one_line_naming_it():
-    r = subprocess.run([sys.executable, "-m", "linstream", "serve", "--port", str(free_port())], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "linstream", "serve", "--port", str(free_port()), "--allocator", "system"], cwd=ROOT,
                        env={**os.environ, "LINSTREAM_MODELS": "[1"}, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0 and "LINSTREAM_MODELS" in r.stderr, r.stderr
