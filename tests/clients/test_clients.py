@@ -102,6 +102,31 @@ def test_cli_chat_save_and_load(server, tmp_path):
     assert r.stdout.count("Good morrow") >= 2  # history before the save and after the load
 
 
+def test_sdk_rewinds_and_carries_the_state(server):
+    with Client(server.url) as c:
+        s = c.create_session(tokens=list(range(10, 40)))
+        before = c.generate_text(s["id"], max_tokens=5, temperature=0)["tokens"]
+        assert c.rewind(s["id"], 30)["position"] == 30
+        assert c.generate_text(s["id"], max_tokens=5, temperature=0)["tokens"] == before
+        f = c.fork(s["id"], position=12)
+        assert f["position"] == 12 and c.history(f["id"])["tokens"] == list(range(10, 22))
+        a = c.completions(prompt="KING:", max_tokens=3, temperature=0, return_state="blob")
+        b = c.completions(prompt=" Speak", max_tokens=3, temperature=0, state=a["state"])  # its blob
+        d = c.completions(prompt=" Speak", max_tokens=3, temperature=0, state=a["state"]["snapshot_id"])
+        assert b["choices"][0]["text"] == d["choices"][0]["text"]
+        for x in (s["id"], f["id"]):
+            c.delete(x)
+
+
+def test_cli_chat_undo_and_branch(server):
+    r = cli("chat", "--url", server.url, "--max-tokens", "3", "--temperature", "0",
+            input="Good morrow\n/undo\n/undo\n/history\nHail\n/branch\n/history\n/quit\n")
+    assert r.returncode == 0, r.stderr
+    assert "back to position" in r.stdout and "nothing to undo" in r.stdout and "on branch sess_" in r.stdout
+    assert "Good morrow" not in r.stdout.split("nothing to undo")[1]  # taken back: not in the history after
+    assert "Hail" in r.stdout.split("on branch")[1]  # the branch holds the turn before it
+
+
 def test_cli_chat_help_save_without_a_name_and_ctrl_c_keeps_the_session(server, tmp_path):
     import signal
     r = cli("chat", "--url", server.url, "--max-tokens", "3", input="/help\nGood morrow\n/save\n/quit\n", cwd=tmp_path)
