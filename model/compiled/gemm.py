@@ -159,8 +159,9 @@ def twin(model: nn.Module, gemm: str) -> nn.Module:
     copied = copy.deepcopy(model, memo)
     for parent in list(copied.modules()):
         for name, child in list(parent.named_children()):
-            if kind(child) is not None:
-                setattr(parent, name, kind(child)(child))
+            make = kind(child)
+            if make is not None:
+                setattr(parent, name, make(child))
         if gemm == "own":
             pack_params(parent)
     return copied.requires_grad_(False)
@@ -211,11 +212,14 @@ def held_weight(m: nn.Module) -> str | None:
 def packed_alone(m: nn.Module) -> nn.Module:
     """`m` (own_kind takes it) as our kernel's projection holding its panels only: the weights it
     was made from are left on the meta device (for code that reads a projection's shape or dtype)."""
-    own = own_kind(m)(m)
+    make = own_kind(m)
+    assert make is not None, f"our kernel does not take {type(m).__name__}"
+    own = make(m)
     held = held_weight(own)
     if isinstance(own, OwnLinear):
         own.weight = nn.Parameter(own.weight.detach().to("meta"), requires_grad=False)
     else:
+        assert held is not None  # every projection own_kind makes holds one
         setattr(own, held, getattr(own, held).to("meta"))
     return own
 

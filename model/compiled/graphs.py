@@ -107,6 +107,7 @@ class GraphStep:
     def _capture(self, rows: int) -> tuple[object, Tensor]:
         t0 = time.perf_counter()
         side = self.stream
+        assert side is not None  # made where graphs are replayed
         side.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(side):
             for _ in range(2):  # warm-up off the capture: lazy library handles, workspaces, autotuning

@@ -23,6 +23,7 @@ ffn_shift (B, D).
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -137,12 +138,13 @@ class FlaRWKV7(nn.Module):
 
     def forward(self, x, state=None, pos=None, carry=None):
         st = state if state is not None else self.init_state(x.shape[0], x.device)
-        y, new, carry = self._run(x, st, carry, lambda *t: rwkv7_chunked(*t, True, self.chunk_size))
+        y, new, carry = self._run(x, st, carry, partial(rwkv7_chunked, output_final_state=True, chunk_size=self.chunk_size))
         return y, (None if state is None else new), carry
 
     def step(self, x, state, pos=None, carry=None):
         def one(q, w, k, v, a, b, S):
-            o, S = rwkv7_step(*(t[:, :, 0] for t in (q, w, k, v, a, b)), S)
+            q, w, k, v, a, b = (t[:, :, 0] for t in (q, w, k, v, a, b))  # each (B, H, 1, .) -> (B, H, .)
+            o, S = rwkv7_step(q, w, k, v, a, b, S)
             return o[:, :, None], S
         y, new, carry = self._run(x[:, None], state, None if carry is None else carry[:, None], one)
         return y[:, 0], new, carry[:, 0]

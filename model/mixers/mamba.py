@@ -80,7 +80,8 @@ class Mamba(nn.Module):
 
     def step(self, u, state, pos=None):
         x, z = self.in_proj(u).chunk(2, dim=-1)  # (b, e)
-        x, tail = causal_conv_step(x.float(), state["conv"], *self._conv(), inplace=True)  # (b, e)
+        weight, bias = self._conv()
+        x, tail = causal_conv_step(x.float(), state["conv"], weight, bias, inplace=True)  # (b, e)
         x = F.silu(x)
         delta, B, C = self._ssm_inputs(x)  # delta (b, e), B, C (b, n)
         y, h = selective_scan_step(x, delta, -torch.exp(self.A_log), B, C, self.D, state["h"], inplace=True)  # (b, e)

@@ -19,6 +19,8 @@ state's layout are model/ops/wkv.py's, the reference model/ops/naive.py's.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -107,7 +109,7 @@ class RWKV4(nn.Module):
 
     def forward(self, u, state=None, pos=None):
         st = state if state is not None else self.init_state(u.shape[0], u.device)
-        y, new = self._run(u, st, lambda *a: wkv_chunked(*a, output_final_state=True, chunk_size=self.chunk))
+        y, new = self._run(u, st, partial(wkv_chunked, output_final_state=True, chunk_size=self.chunk))
         return y, (None if state is None else new)  # (b, l, d)
 
     def step(self, u, state, pos=None):
