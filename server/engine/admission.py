@@ -13,7 +13,7 @@ from .engine import Engine
 
 
 class Admission:
-    def __init__(self, settings: Settings, tenants: int = 1):
+    def __init__(self, settings: Settings, tenants: int = 1) -> None:
         self.settings = settings
         self.streams: Counter[str] = Counter()  # generations in flight per owner
         self.rows: Counter[tuple[str, str]] = Counter()  # ... per (model, owner)

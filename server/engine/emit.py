@@ -138,7 +138,7 @@ class MaskThread:
     """Computes constrained rows' next masks beside the next step. Two queues of C, not an
     executor's futures: the hand-off is a small share of a mask's own time."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str) -> None:
         self.name = name
         self.thread: threading.Thread | None = None  # started with the first batch handed over
         self.todo: SimpleQueue = SimpleQueue()  # matchers to refill; None ends the thread

@@ -57,7 +57,7 @@ import threading
 import time
 from collections import deque
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -76,6 +76,9 @@ from .jobs import Checkpointing, Job, JobPhase, Prefill, PrefillCancelled, run_a
 from .plan import STEP_PREFILL, RowViews, ema, next_prefill, plan_step, slice_len, take_stock
 from .rollback import Rollback
 
+if TYPE_CHECKING:
+    from ..core.metrics import Metrics
+
 __all__ = ["Engine", "Job", "JobPhase", "Prefill", "PrefillCancelled", "STEP_PREFILL", "MASK_THREAD_ROWS", "kv_token_bytes"]
 
 log = logging.getLogger("linstream.engine")
@@ -86,12 +89,14 @@ MIN_SLICE = 16  # tokens: a smaller forward pass is mostly fixed cost
 # (waking the thread, the GIL going back and forth) costs the engine thread more than the masks
 # of fewer rows of a small vocabulary (docs/benchmarks.md, Constrained decoding)
 MASK_THREAD_ROWS = 4
+
+
 class Engine:
     """One model's sessions, stepped together on one thread (see the module docstring)."""
 
     def __init__(self, name: str, model: LM, tok: Tokenizer, slots: int, prefill_chunk: int, max_batch: int,
-                 metrics: Any = None, lookahead: bool = True, compile: str = "off", prefill_share: float = PREFILL_SHARE,
-                 gemm: str = "own", step_runtime: str = "aoti"):
+                 metrics: Metrics | None = None, lookahead: bool = True, compile: str = "off", prefill_share: float = PREFILL_SHARE,
+                 gemm: str = "own", step_runtime: str = "aoti") -> None:
         self.name, self.model, self.tok = name, model, tok
         self.stepper = Stepper(model, compile, gemm=gemm, runtime=step_runtime,  # model.step, compiled once warm
                                max_rows=max_batch, name=name)  # (model/compiled/stepper.py)
@@ -101,9 +106,9 @@ class Engine:
         self.kv_cap: int | None = None  # positions the pool's KV caches may grow to (settings.kv_total_bytes)
         self.empty = model.init_state(1)
         self.kv = any(self.pool.time_dims)  # some layer keeps a growing KV cache
-        self.free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest slot: active rows stay contiguous
+        self.free_slots = list(range(slots - 1, -1, -1))  # pop() hands out the lowest slot: active rows stay contiguous
         self.prefill_chunk, self.max_batch, self.metrics = prefill_chunk, max_batch, metrics
-        # this model's series, looked up once (a labels() lookup per token costs as much as the update)
+        # this model's series, looked up once here rather than by labels() at every token
         self.series = None if metrics is None else SimpleNamespace(**{
             k: getattr(metrics, k).labels(name) for k in ("step_seconds", "batch_size", "tokens", "ttft", "itl")})
         self.lookahead = lookahead
@@ -161,7 +166,7 @@ class Engine:
             self.cv.notify()
         return await fut
 
-    def later(self, fn: Callable[[], Any]) -> None:
+    def call_nowait(self, fn: Callable[[], Any]) -> None:
         """Run fn() on the engine thread between two iterations; nobody waits for it."""
         with self.cv:
             self.commands.append((fn, None, None))
@@ -207,21 +212,21 @@ class Engine:
 
     # ---- slot operations: engine thread only (through `call`) ----------------------------
     def alloc(self, state: State | None = None) -> int:
-        if not self.free:
+        if not self.free_slots:
             raise RuntimeError("no free slot")
         if state is not None and self.kv:
             if self.kv_cap is not None and int(state.position[0]) > self.kv_cap:
                 raise APIError(507, "kv_memory_full", f"this state holds {int(state.position[0])} positions; model "
                                f"{self.name!r}'s KV caches may hold {self.kv_cap} a slot (kv_total_bytes)")
             self._reserve_kv(time_len(state))
-        slot = self.free.pop()
+        slot = self.free_slots.pop()
         self.pool.assign([slot], state if state is not None else self.empty)
         return slot
 
     def release(self, slot: int) -> None:
         self.pool.assign([slot], self.empty)  # nothing of a session outlives it in the pool
-        self.free.append(slot)
-        self.free.sort(reverse=True)
+        self.free_slots.append(slot)
+        self.free_slots.sort(reverse=True)
         if self.kv:
             self._trim_kv()
 
@@ -235,7 +240,7 @@ class Engine:
         half of the caches' length, cut them to it (to nothing when no slot is held). The memory
         goes back to the allocator (Runtime.delete then trims the heap)."""
         cap = time_len(self.pool)
-        held = sorted(set(range(self.slots)) - set(self.free))
+        held = sorted(set(range(self.slots)) - set(self.free_slots))
         longest = int(self.pool.position[held].max()) if held else 0
         if cap <= 2 * longest:
             return
@@ -246,13 +251,13 @@ class Engine:
     def read(self, slot: int) -> State:
         return self.pool.select([slot]).compact()
 
-    def keep(self, slot: int) -> State:
-        """The slot's row as it is now, to go back to (`put_back`). KV caches are left out: their
+    def copy_row(self, slot: int) -> State:
+        """The slot's row as it is now, to go back to (`restore_row`). KV caches are left out: their
         entries past a row's position are never read, so the position undoes them."""
         return self.pool.copy_rows([slot], with_growing=False)
 
-    def put_back(self, slot: int, row: State, read: bool) -> State | None:
-        """The slot's row back to `row` (from `keep`). -> the row as `read` gives it, if asked."""
+    def restore_row(self, slot: int, row: State, read: bool) -> State | None:
+        """The slot's row back to `row` (from `copy_row`). -> the row as `read` gives it, if asked."""
         self.pool.assign([slot], row)
         return self.read(slot) if read else None
 
@@ -327,7 +332,7 @@ class Engine:
         """May the pending token enter the state now? Once delivered, yes. Before that only with
         lookahead, and only when every token consumed earlier has been delivered (at most one to
         roll back). A finished job's last token is consumed ahead too: the job ends with it, and
-        `take_back` undoes it if it never reaches the client."""
+        `undo_undelivered` undoes it if it never reaches the client."""
         return j.all_delivered() or (self.lookahead and not j.consumed_undelivered())
 
     def slice_len(self) -> int:
@@ -359,7 +364,7 @@ class Engine:
         self.outbox = {}
 
     # ---- how a job ends ------------------------------------------------------------------
-    def take_back(self, j: Job, read: bool) -> State | None:
+    def undo_undelivered(self, j: Job, read: bool) -> State | None:
         """After a job's done: if the last token it consumed never reached its client (the job
         ended with that token stepped ahead of delivery, and the client left or the server ended
         the stream before it was handed over), restore the row from before it. Engine thread
@@ -391,7 +396,7 @@ class Engine:
         j.move(JobPhase.FINISHED)
         self.jobs.remove(j)
         if j.saved is not None and j.consumed_undelivered():  # its last token is not delivered yet:
-            saved, i = j.saved  # keep only its own row of the step's rollback copy, for take_back
+            saved, i = j.saved  # keep only its own row of the step's rollback copy, for undo_undelivered
             j.saved = (saved.copy_rows([i]), 0)
         else:
             j.saved = None

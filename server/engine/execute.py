@@ -15,6 +15,7 @@ import torch
 
 from linstream.model.generate import decode_one_token, prefill_by_steps, prefill_chunk
 from linstream.model.sampling import finite_rows
+from linstream.model.state import State
 
 from .jobs import Job, JobPhase, NonFiniteState, Prefill, logprob_entries, settle
 from .plan import STEP_PREFILL, StepPlan, ema, lay_out_rows
@@ -200,7 +201,7 @@ def unbatch_push(eng: Engine, p: Prefill) -> None:
     p.done, p.saved, p.own_slice = 0, None, True
 
 
-def time_len(state) -> int:
+def time_len(state: State) -> int:
     """Positions the KV caches of `state` have room for (0 for a model without them)."""
     return max((layer[name].shape[d] for layer, dims in zip(state.layers, state.time_dims) for name, d in dims.items()),
                default=0)

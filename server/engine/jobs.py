@@ -91,7 +91,7 @@ class Job:
     t_last: float | None = None
     t_start: float | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # greedy rows draw nothing: no generator to seed (a seed from the OS costs a syscall a job)
         self.gen = self.params.generator() if self.params.temperature != 0 else None
 
@@ -144,7 +144,7 @@ class PrefillCancelled(asyncio.CancelledError):
     consumed every token, so the row holds them; else it was dropped at its next slice boundary
     and the row is as it was before the prefill."""
 
-    def __init__(self, applied: bool):
+    def __init__(self, applied: bool) -> None:
         super().__init__()
         self.applied = applied
 
@@ -157,7 +157,7 @@ def run_all(calls: list) -> None:
             log.exception("delivering %r failed", fn)
 
 
-def settle(fut: asyncio.Future, res, err):
+def settle(fut: asyncio.Future, res: object, err: BaseException | None) -> None:
     if fut.done():
         return
     if err is not None:

@@ -178,7 +178,7 @@ class RowViews:
     """The pool's rows to step: views of a contiguous run, made once per run while the pool's
     tensors stay put (no KV cache grows them), else gathered copies."""
 
-    def __init__(self, pool: State, kv: bool):
+    def __init__(self, pool: State, kv: bool) -> None:
         self.pool, self.kv = pool, kv
         self.views: dict[tuple[int, int], State] = {}
 

@@ -12,13 +12,13 @@ from linstream.model.state import State
 class Rollback:
     """Where a decode step keeps its rows' rollback point (a step writes the state in place):
     preallocated tensors that the rows are copied into with one foreach copy, instead of a fresh
-    tensor per state tensor per step (a clone loop per step is, at one stream, the engine's largest
-    cost after the step itself). Without the KV tensors (entries
+    tensor per state tensor per step (what that costs: docs/benchmarks.md, Where one stream's time
+    goes). Without the KV tensors (entries
     past a row's position are never read) it is one copy of the recurrent state. Jobs hold the
     copy (Job.saved) until their token is delivered; `take` first copies out the rows of jobs that
     still hold the previous one and are not in this step. Room grows to the largest step seen."""
 
-    def __init__(self, pool: State):
+    def __init__(self, pool: State) -> None:
         self.pool, self.capacity = pool, 0
         self.names = [[n for n in layer if n not in pool.time_dims[i]] for i, layer in enumerate(pool.layers)]
         self.buf: State | None = None

@@ -187,7 +187,7 @@ async def close_turn(rt: Runtime, s: Session, hb: HandBack, stops: list[str]) ->
         more = tail[len(made):]
     else:  # back to the prompt's end, and the answer as the transcript holds it
         row = hb.row
-        await eng.call(lambda: eng.put_back(s.slot, row, False))
+        await eng.call(lambda: eng.restore_row(s.slot, row, False))
         del s.tokens[k:]
         more = tail
     if more:

@@ -44,7 +44,7 @@ async def _advance(rt: Runtime, s: Session, q: int, state: State, p: int) -> Job
     """Put s's row at `state` (position q) and prefill its history up to p. -> the prefill's job."""
     eng = rt.engines[s.model]
     ids = s.tokens[q - s.history_start:p - s.history_start]
-    await eng.call(lambda: eng.put_back(s.slot, state, False))
+    await eng.call(lambda: eng.restore_row(s.slot, state, False))
     if not ids:
         return None
     return await eng.prefill(s.slot, ids, read=not s.ephemeral, owner=s.owner, checkpoints=s.checkpoints.hook())
@@ -60,7 +60,7 @@ async def rewind(rt: Runtime, s: Session, p: int) -> dict:
     try:
         job = await _advance(rt, s, q, state, p)
     except BaseException:
-        await asyncio.shield(eng.call(lambda: eng.put_back(s.slot, point.row, False)))
+        await asyncio.shield(eng.call(lambda: eng.restore_row(s.slot, point.row, False)))
         s.checkpoints.settle(s.position)  # copies the engine took on the way are past nothing kept
         raise
     s.cut_history(p)

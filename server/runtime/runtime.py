@@ -263,7 +263,7 @@ class Runtime:
         """Where a held session is now (its row and history length), for a generation whose
         response may never leave to go back to (Stream.restore_point: finish_generation puts it back)."""
         eng = self.engines[s.model]
-        return RestorePoint(await eng.call(lambda: eng.keep(s.slot)), len(s.tokens))
+        return RestorePoint(await eng.call(lambda: eng.copy_row(s.slot)), len(s.tokens))
 
     async def constrain(self, eng: Engine, c: Constraint | None, owner: str = "") -> Matcher | None:
         """The matcher of a request's constraint for `eng`, compiled off the event loop and the
@@ -308,7 +308,7 @@ class Runtime:
         try:
             await job.finished.wait()
             if job.yielded < job.consumed:  # its last token was stepped ahead of delivery and never left
-                job.state = await st.eng.call(lambda: st.eng.take_back(job, read=not s.ephemeral))
+                job.state = await st.eng.call(lambda: st.eng.undo_undelivered(job, read=not s.ephemeral))
             job.saved = None
             extra = job.yielded - job.consumed
             if job.finish == "error" and extra > 0:  # handed over, but the step taking it failed
@@ -317,7 +317,7 @@ class Runtime:
                 job.error += f"; the last {extra} token(s) sent could not be applied and are not part of the session"
             point = st.restore_point
             if point is not None and st.abandoned:  # a response that never left: the session as before it
-                job.state = await st.eng.call(lambda: st.eng.put_back(s.slot, point.row, read=not s.ephemeral))
+                job.state = await st.eng.call(lambda: st.eng.restore_row(s.slot, point.row, read=not s.ephemeral))
                 del s.tokens[point.length:]
             await self.residency.persist(s, job.state)
             job.state = None  # written: a KV cache's copy must not outlive the request

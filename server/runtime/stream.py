@@ -24,7 +24,7 @@ from .constraints import failure
 class RestorePoint:
     """Where a held session was before a generation whose response may never leave
     (Runtime.restore_point): finish_generation puts it back there if the response did not."""
-    row: State  # the session's state row, as the engine copied it (Engine.keep)
+    row: State  # the session's state row, as the engine copied it (Engine.copy_row)
     length: int  # its history's length then
 
 

@@ -331,7 +331,7 @@ async def _slot(eng: Engine, fn) -> int:
     try:
         return await asyncio.shield(call)
     except asyncio.CancelledError:
-        call.add_done_callback(lambda c: c.cancelled() or c.exception() is not None or eng.later(
+        call.add_done_callback(lambda c: c.cancelled() or c.exception() is not None or eng.call_nowait(
             lambda: eng.release(c.result())))
         raise
 

@@ -156,7 +156,7 @@ async def run_jobs(eng: Engine, slots: list[int], max_tokens: int) -> list[list[
     out = await asyncio.gather(*(take(j) for j in jobs))
     for j in jobs:
         await j.finished.wait()
-        await eng.call(lambda j=j: eng.take_back(j, read=False))
+        await eng.call(lambda j=j: eng.undo_undelivered(j, read=False))
     return out
 
 
