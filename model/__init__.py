@@ -1,7 +1,7 @@
 """linstream model core: recurrent LMs, their session state, tokenizer, sampling and generation.
 
 The folder is imported as `linstream.model`: pyproject.toml's `package-dir` maps the package to this
-folder, so `linstream.model.x` is `model/x.py`. Neither grep for the dotted name nor an editor's
+folder, so `linstream.model.<name>` is `model/<name>.py`. Neither grep for the dotted name nor an editor's
 "go to file" follows that mapping; look for the file under `model/`.
 """
 from pathlib import Path

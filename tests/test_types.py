@@ -42,7 +42,7 @@ def run_mypy() -> tuple[int, str]:
             *(a for p in PACKAGES for a in ("-p", p))]
     out = subprocess.run(args, cwd=ROOT, env={**os.environ, "MYPYPATH": str(layout)}, capture_output=True, text=True)
     report = (out.stdout + out.stderr).replace(f"{layout}/linstream/", "").replace(
-        ".mypy_cache/package-layout/linstream/", "")  # linstream/server/x.py -> server/x.py
+        ".mypy_cache/package-layout/linstream/", "")  # the layout's linstream/server/... -> server/...
     for pkg in ("model", "server", "clients"):
         report = report.replace(f"linstream/{pkg}/", f"{pkg}/")
     return out.returncode, report
