@@ -73,7 +73,8 @@ class Snapshots:
         tokens, start = (s.tokens, s.history_start) if history else ([], s.position)
         # the parent's routing key: a proxy sends the child's requests where it was made
         child = await self.held.new(eng, s.owner, state, tokens, start, affinity=affinity_of(s.id))
-        child.checkpoints = await self.inherited(s, s.position)
+        if history:  # (without it, nothing before its start can be reached: no copies are read)
+            child.checkpoints = await self.inherited(s, s.position)
         await self.held.created(child, lambda: self.held.persist(child))
         return child
 
