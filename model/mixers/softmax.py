@@ -22,6 +22,11 @@ from ..ops.conv import causal_conv, causal_conv_step
 from ..ops.naive import causal_conv_naive, rope_naive
 from ..ops.rope import rope
 
+# A prefill onto a cache attends in blocks of query rows, so that one block's scores (B, H, rows, S)
+# and mask take at most about this many bytes: the scratch stays bounded however long the cache is,
+# whichever form of attention torch picks (its math form holds all T x S scores at once).
+SCORES_BYTES = 16 << 20
+
 
 def grow_cache(t: Tensor, need: int) -> Tensor:
     """Return a cache with capacity >= need along dim 2 (doubling, so appends are amortised O(1))."""
@@ -70,12 +75,24 @@ class SoftmaxAttention(nn.Module):
         q, k = rope(q, positions, self.base), rope(k, positions, self.base)
         if state is None:
             return self._out(F.scaled_dot_product_attention(q, k, v, is_causal=True)), None
-        k_all = torch.cat([state["k"][:, :, :p0], k], dim=2)  # (B, H, p0+T, K)
-        v_all = torch.cat([state["v"][:, :, :p0], v], dim=2)
-        # query t (absolute p0+t) sees keys j <= p0+t
-        mask = torch.arange(p0 + T, device=x.device)[None, :] <= positions[:, None]  # (T, p0+T)
-        o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
-        return self._out(o), {"k": k_all, "v": v_all, "conv": tail}
+        kc, vc = state["k"], state["v"]  # (B, H, C, K)
+        if kc.shape[2] >= p0 + T:  # room (the engine's pool): written in place, so that a slice of a
+            # long prefill copies its T positions, not the whole cache; entries past a row's position
+            # are never read, so the state the call was given still holds what it held
+            kc[:, :, p0:p0 + T], vc[:, :, p0:p0 + T] = k, v
+        else:  # a new cache of exactly p0 + T positions
+            kc, vc = torch.cat([kc[:, :, :p0], k], dim=2), torch.cat([vc[:, :, :p0], v], dim=2)
+        k_all, v_all = kc[:, :, :p0 + T], vc[:, :, :p0 + T]  # (B, H, p0+T, K)
+        rows = max(1, SCORES_BYTES // (B * self.H * (p0 + T) * (q.element_size() + 1)))  # query rows a block
+        blocks = []
+        for a in range(0, T, rows):
+            b = min(T, a + rows)
+            # query t (absolute p0+t) sees keys j <= p0+t: none past p0+b enters this block
+            mask = torch.arange(p0 + b, device=x.device)[None, :] <= positions[a:b, None]  # (rows, p0+b)
+            blocks.append(F.scaled_dot_product_attention(q[:, :, a:b], k_all[:, :, :p0 + b], v_all[:, :, :p0 + b],
+                                                         attn_mask=mask))  # (B, H, rows, K)
+        o = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # (B, H, T, K)
+        return self._out(o), {"k": kc, "v": vc, "conv": tail}
 
     def step(self, x, state, pos):
         B = x.shape[0]
