@@ -26,19 +26,22 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import llguidance as llg
 import numpy as np
 
 from .tokenizer import Tokenizer
 
+if TYPE_CHECKING:  # the type is in llguidance's stub only
+    from llguidance._lib import JsonCompileOptions
+
 Kind = Literal["json_schema", "regex", "grammar", "choice"]
 KINDS = ("json_schema", "regex", "grammar", "choice")
 
 # JSON as the OpenAI API prints it: one space after ':' and ',', no other whitespace. Whitespace
 # the grammar allowed anywhere would let a weak model spend its tokens on it.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 # per-token work is bounded so that no grammar holds a step up for long: a mask that needs more
 # ends its generation with an error instead (llguidance's defaults are 200,000 and 50,000)
@@ -104,6 +107,7 @@ class Matcher:
     @property
     def banned(self) -> np.ndarray:
         """(V,) bool: the tokens the grammar does not allow next."""
+        assert self.mask is not None, "refill() first"
         return self.mask < 0
 
     def allows(self, token: int) -> bool:
@@ -269,7 +273,7 @@ def closed(schema):
         return [closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
+    out: dict[str, object] = {}
     for k, v in schema.items():
         if k in SCHEMA_MAPS and isinstance(v, dict):
             out[k] = {n: closed(s) for n, s in v.items()}
