@@ -18,7 +18,7 @@ from linstream.model.sampling import SamplingParams
 from ..core.errors import APIError
 from .schemas import (DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, Body, Guided, Name, Prompt,
                       ResponseBody, Sampling, Tokens, Usage)
-from .state_schemas import StateFields
+from .state_schemas import ReturnedState, StateFields
 
 MAX_N = 16  # choices per prompt (n, best_of)
 PLAIN_TRANSCRIPT = ChatTemplate(BUILT_IN, "built-in")
@@ -240,6 +240,7 @@ class TextCompletion(ResponseBody):
     choices: list[CompletionChoice]
     usage: Usage
     session_id: str | None = Field(None, description="the session continued, when the request named one")
+    state: ReturnedState | None = Field(None, description="the state after the last token (return_state)")
 
 
 class TopLogprob(ResponseBody):
@@ -288,6 +289,7 @@ class ChatCompletion(ResponseBody):
     choices: list[ChatChoice]
     usage: Usage
     session_id: str | None = Field(None, description="the session continued, when the request named one")
+    state: ReturnedState | None = Field(None, description="the state after the last token (return_state)")
 
 
 class ModelCard(ResponseBody):

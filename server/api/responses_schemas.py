@@ -19,7 +19,7 @@ from linstream.model.sampling import SamplingParams
 from ..core.errors import APIError
 from .openai_schemas import MAX_MESSAGES, MAX_PARTS, MAX_TOOLS, Message
 from .schemas import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_SEED, Body, Name, Prompt, ResponseBody
-from .state_schemas import StateFields
+from .state_schemas import ReturnedState, StateFields
 
 TEXT_PARTS = ("input_text", "output_text", "text")  # content parts read as text
 
@@ -205,6 +205,7 @@ class ResponseObject(ResponseBody):
     truncation: str
     usage: ResponseUsage | None
     metadata: dict[str, str]
+    state: ReturnedState | None = Field(None, description="the state after the last token (return_state; not stored)")
 
 
 class ResponseDeleted(ResponseBody):

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .schemas import Body
+from .schemas import Body, ResponseBody
 
 MAX_POSITION = 2 ** 40  # as a state blob's (model/snapshot.py)
 
@@ -32,3 +32,12 @@ class StateFields(BaseModel):
     continues from one (a snapshot id, or {"blob"})."""
     return_state: bool | Literal["blob"] = False
     state: str | StateBlob | None = None
+
+
+class ReturnedState(ResponseBody):
+    """An answer's `state` (return_state): the state after its last token."""
+    snapshot_id: str = Field(description="kept in the store under the caller's key for state_ttl seconds")
+    position: int
+    bytes: int = Field(description="the state blob's size")
+    model: str
+    blob: str | None = Field(None, description='the state blob, base64 (return_state: "blob")')

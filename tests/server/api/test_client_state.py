@@ -12,6 +12,8 @@ import torch
 from linstream.model.config import PRESETS
 from linstream.model.lm import LM
 from linstream.model.tokenizer import Tokenizer
+from linstream.server.api.openai_schemas import ChatCompletion, TextCompletion
+from linstream.server.api.responses_schemas import ResponseObject
 from safetensors.torch import load as st_load
 
 from tests.helpers import ServerProcess, make_checkpoint
@@ -80,6 +82,7 @@ def test_a_completion_continues_from_its_state_as_from_the_whole_history(c, samp
     assert b["choices"][0]["text"] == whole["choices"][0]["text"]
     assert b["state"]["position"] == len(hist) + len(more) + 8 and "blob" not in b["state"]
     assert b["usage"]["prompt_tokens"] == len(hist) + len(more)  # the context, as a whole-history request counts it
+    TextCompletion.model_validate(a), TextCompletion.model_validate(b)  # as the OpenAPI document says
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -93,6 +96,7 @@ def test_a_chat_continues_from_its_state_as_the_whole_conversation_sent_again(c,
         whole = post(c, "/v1/chat/completions", model="linear", messages=[u1, reply, u2], max_tokens=10, **sampling)
         assert b["choices"][0]["message"]["content"] == whole["choices"][0]["message"]["content"]
         assert b["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+    ChatCompletion.model_validate(a)
 
 
 def test_a_stream_carries_the_state_in_its_last_event(c):
@@ -122,6 +126,7 @@ def test_a_response_continues_from_its_state_as_from_previous_response_id(c):
                    previous_response_id=a["id"], **GREEDY)
     assert b["output"][0]["content"][0]["text"] == chained["output"][0]["content"][0]["text"]
     assert b["usage"]["input_tokens_details"]["cached_tokens"] == a["state"]["position"]
+    ResponseObject.model_validate(a)
 
 
 def test_refusals_are_clear_and_keep_nothing(c, server):
