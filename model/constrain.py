@@ -202,7 +202,8 @@ def lark(kind: Kind, text: str) -> str:
     raise GrammarError(f"unknown constraint kind {kind!r}; one of {KINDS}")
 
 
-COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}|~\s*(\d+)(?:\.\.(\d+))?")  # {m} {m,} {m,n}, Lark's ~ m..n
+COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")  # {m} {m,} {m,n}
+LARK_COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}|~\s*(\d+)(?:\.\.(\d+))?")  # and a grammar's ~ m..n
 
 
 def _check_repeats(text: str, what: str, literals: bool = False) -> None:
@@ -231,7 +232,7 @@ def _check_repeats(text: str, what: str, literals: bool = False) -> None:
             last = stack.pop()
             stack[-1] = max(stack[-1], last)
             i += 1
-        elif (m := COUNT.match(text, i)) is not None:
+        elif (m := (LARK_COUNT if literals else COUNT).match(text, i)) is not None:
             count = max(int(g[:12]) for g in m.groups() if g)  # {m,}: at least m
             last = last * count
             if last > REPEAT_MAX:

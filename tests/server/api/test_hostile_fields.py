@@ -104,3 +104,14 @@ def test_a_malformed_tool_call_in_the_history_is_a_400_naming_the_field(server, 
     r = send(call)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert send({"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}).status_code == 200
+
+
+def test_repetition_counts_are_bounded_before_compiling():
+    from linstream.model.constrain import GrammarError, _check_repeats
+    for ok in ("a{10000}", "(a{100}){100}", r"\{99999\}", "[{99999}]", "x~20000", r"\d{3}-\d{4}"):
+        _check_repeats(ok, "regex")
+    _check_repeats('start: "{99999}"', "grammar", literals=True)
+    for bad, literals in (("a{10001}", False), ("(a{101}){100}", False), ("((a{10}){10}){101}", False),
+                          ("a{5,}{99999}", False), ('start: "a" ~ 10001', True), ("start: x{20000}", True)):
+        with pytest.raises(GrammarError, match="at most 10000"):
+            _check_repeats(bad, "it", literals=literals)
