@@ -59,7 +59,7 @@ def test_the_starved_client_warning():
 def test_bench_latency_reports_the_servers_per_token_time(server, tmp_path):
     out = tmp_path / "lat"
     r = run("bench", "latency", "--url", server.url, "--api-key", KEY, "--models", "linear", "--contexts", "8",
-            "--tokens", "6", "--no-in-process", "--no-hf", "--out", str(out))
+            "--tokens", "6", "--out", str(out))
     assert r.exit_code == 0, r.output
     row = json.loads(out.with_suffix(".json").read_text())["models"]["linear"][0]["http"]
     assert row["server_per_token_ms"] > 0 and isinstance(row["client_starved"], bool)
