@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from queue import SimpleQueue
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -58,18 +58,18 @@ def draw_tokens(eng: Engine, jobs: list[Job], logits: torch.Tensor, checked: boo
     tokens = sample_rows(eng, jobs, logits, constrained)
     now, sent = time.perf_counter(), 0
     for i, j in enumerate(jobs):
-        if tokens[i] is None:
+        if (t := tokens[i]) is None:
             continue
-        if j.matcher is not None and not j.matcher.take(tokens[i]) and j.matcher.error is not None:
+        if j.matcher is not None and not j.matcher.take(t) and j.matcher.error is not None:
             grammar_failed(eng, j)  # (the job ends "stop" once its grammar is complete: token_event)
             continue
         try:
-            ev = token_event(eng, j, tokens[i], logits[i:i + 1])
+            ev = token_event(eng, j, t, logits[i:i + 1])
         except Exception as e:
-            eng._fail(j, f"turning token {tokens[i]} into text failed: {type(e).__name__}: {e}")
+            eng._fail(j, f"turning token {t} into text failed: {type(e).__name__}: {e}")
             continue
         if eng.series:
-            if j.t_first is None:
+            if j.t_first is None or j.t_last is None:  # (the two are set together)
                 eng.series.ttft.observe(now - j.t_submit)
             else:
                 eng.series.itl.observe(now - j.t_last)
@@ -89,7 +89,7 @@ def sample_rows(eng: Engine, jobs: list[Job], logits: torch.Tensor, constrained:
     failure the rows are sampled one by one: `sample` draws from the generators only after
     everything that can fail, so the others draw exactly what they would have in the batch.
     `constrained`: some job has a matcher, whose mask its row is sampled under."""
-    masks = {"masks": [j.matcher and j.matcher.mask for j in jobs]} if constrained else {}
+    masks: dict[str, Any] = {"masks": [j.matcher and j.matcher.mask for j in jobs]} if constrained else {}
     try:
         return eng.sampler(logits, [j.params for j in jobs], [j.gen for j in jobs], [j.counts for j in jobs],
                            **masks).tolist()
@@ -130,7 +130,7 @@ def token_event(eng: Engine, j: Job, t: int, logits: torch.Tensor) -> dict:
 
 def grammar_failed(eng: Engine, j: Job) -> bool:
     """j's grammar failed (no mask, or it refused the token): the job ends. -> False"""
-    eng._fail(j, f"constrained decoding failed: {j.matcher.error}")
+    eng._fail(j, f"constrained decoding failed: {cast(Matcher, j.matcher).error}")
     return False
 
 

@@ -57,7 +57,7 @@ import threading
 import time
 from collections import deque
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
@@ -188,7 +188,7 @@ class Engine:
         except asyncio.CancelledError:
             applied = await asyncio.shield(self.call(lambda: self._drop_prefill(job)))
             raise PrefillCancelled(applied) from None
-        job.future = None  # it holds the job as its result: a cycle that would keep job.state until a GC pass
+        job.future = None  # type: ignore[assignment]  # it holds the job as its result: a cycle that would keep job.state until a GC pass
         return job
 
     def submit(self, job: Job) -> None:
@@ -376,7 +376,7 @@ class Engine:
 
     def _roll_back(self, j: Job) -> None:
         """Undo the consumption of j's last token, which never reached its client."""
-        saved, i = j.saved
+        saved, i = cast(tuple, j.saved)
         self.pool.assign([j.slot], saved.select([i]))
         j.consumed -= 1
 

@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -51,7 +51,7 @@ def prefill_slice(eng: Engine, job: Prefill) -> None:
         st = eng.pool.select([job.slot])
         if job.done == 0 and len(job.tokens) > len(chunk):  # several chunks: keep the row to roll back to
             job.saved = eng.pool.copy_rows([job.slot], with_growing=False)
-        prev = st.next_logits.clone() if job.logprobs is not None else None
+        prev: Any = st.next_logits.clone() if job.logprobs is not None else None
         logits, new = (prefill_by_steps(eng.stepper, chunk, st, [job.slot]) if steps else
                        prefill_chunk(eng.model, chunk, st, last=job.logprobs is None))
         bad = new.nonfinite()  # both forms build a new state: the row is untouched until assigned
@@ -65,7 +65,7 @@ def prefill_slice(eng: Engine, job: Prefill) -> None:
             all_logits = torch.cat([prev[:, None], logits[:, :-1]], 1)[0]  # (T, V): predicts each chunk token
             job.results += logprob_entries(all_logits, chunk, job.logprobs, eng.tok)
         job.done += len(chunk)
-        if every and int(new.position[0]) % every == 0:
+        if every and job.checkpoints is not None and int(new.position[0]) % every == 0:
             job.checkpoints.capture(int(new.position[0]), eng.read(job.slot))
         if budgeted and not steps:
             eng.token_s = ema(eng.token_s, (time.perf_counter() - t0) / len(chunk))
@@ -176,14 +176,14 @@ def advance_batched_push(eng: Engine, p: Prefill, finite: bool) -> None:
     p.done += 1
     if finite and p.checkpoints is not None and (at := int(eng.pool.position[p.slot])) % p.checkpoints.every == 0:
         p.checkpoints.capture(at, eng.read(p.slot))
-    err = None
+    bad, err = None, None
     if not finite:
-        err = "the next logits"
+        bad = "the next logits"
     elif p.done == len(p.tokens):
-        err = eng.pool.select([p.slot]).nonfinite()
-    if err:
-        eng.pool.assign([p.slot], p.saved)
-        err = NonFiniteState(f"prefilling these tokens makes the session's state non-finite ({err} holds "
+        bad = eng.pool.select([p.slot]).nonfinite()
+    if bad:
+        eng.pool.assign([p.slot], cast(State, p.saved))
+        err = NonFiniteState(f"prefilling these tokens makes the session's state non-finite ({bad} holds "
                              "NaN or Inf); nothing was applied")
     elif p.done < len(p.tokens):
         return

@@ -110,10 +110,10 @@ class Job:
         return self.yielded < self.consumed
 
     def timings(self) -> dict:
-        n = self.emitted
+        n, first, last = self.emitted, self.t_first, self.t_last
         return {"queue_ms": round(1000 * ((self.t_start or self.t_submit) - self.t_submit), 3),
-                "ttft_ms": round(1000 * ((self.t_first or self.t_submit) - self.t_submit), 3),
-                "per_token_ms": round(1000 * (self.t_last - self.t_first) / (n - 1), 3) if n > 1 else None}
+                "ttft_ms": round(1000 * ((first or self.t_submit) - self.t_submit), 3),
+                "per_token_ms": round(1000 * (last - first) / (n - 1), 3) if n > 1 and first and last else None}
 
 
 class NonFiniteState(ArithmeticError):

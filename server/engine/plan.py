@@ -6,7 +6,7 @@ gathered copies). What it decides is a `StepPlan`; execute.py runs it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -80,8 +80,9 @@ def plan_step(eng: Engine, ready: list[Job]) -> StepPlan | None:
 def lay_out_rows(eng: Engine, jobs: list[Job], pushes: list[Prefill]) -> StepPlan:
     """The rows of a step over `jobs` and `pushes`, in slot order: a contiguous run steps in
     place; a range with few idle rows steps whole (whole_range_cheaper); else rows are gathered."""
-    order = sorted([(j.slot, j.pending, j) for j in jobs] + [(p.slot, p.tokens[p.done], p) for p in pushes],
-                   key=lambda e: e[0])
+    order: list[tuple[int, int, Job | Prefill | None]] = sorted(
+        [(j.slot, cast(int, j.pending), j) for j in jobs] + [(p.slot, p.tokens[p.done], p) for p in pushes],
+        key=lambda e: e[0])
     rows, index = [e[0] for e in order], {id(e[2]): i for i, e in enumerate(order)}
     in_place = rows == list(range(rows[0], rows[0] + len(rows)))  # select gives views: stepped in place
     idle: list[int] = []

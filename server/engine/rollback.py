@@ -36,6 +36,7 @@ class Rollback:
                              p.next_logits.new_zeros(self.capacity, *p.next_logits.shape[1:]))
             self.heads = {}
         if n not in self.heads:
+            assert self.buf is not None  # made above: n > 0 = capacity at the first call
             head = self.buf.select(list(range(n)))
             self.heads[n] = head, flat(head, head.layers)
         return self.heads[n]
