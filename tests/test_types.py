@@ -32,7 +32,10 @@ def lay_out() -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         if not (path.is_symlink() and path.resolve() == (ROOT / target).resolve()):
             path.unlink(missing_ok=True)
-            path.symlink_to(ROOT / target)
+            try:
+                path.symlink_to(ROOT / target)
+            except FileExistsError:  # another run laid it out meanwhile
+                pass
     return LAYOUT
 
 
