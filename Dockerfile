@@ -3,7 +3,7 @@ FROM python:3.11-slim
 WORKDIR /app
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 # jemalloc instead of glibc's malloc: it hands the decode step's freed buffers back to the OS,
-# where glibc's arenas keep them (benchmarks/robustness/soak.py --allocator; README "Soak")
+# where glibc's arenas keep them (benchmarks/robustness/soak.py --allocator; docs/reliability.md#soak)
 # g++: the compiled decode step (inductor, AOTInductor) and our matmul kernel are built at the
 # first start, then loaded from the compile cache (TORCHINDUCTOR_CACHE_DIR, on the volume below)
 RUN apt-get update && apt-get install -y --no-install-recommends libjemalloc2 g++ && rm -rf /var/lib/apt/lists/*
