@@ -9,6 +9,8 @@ What counts as a path (the rule):
   `benchmarks.serving.cold_start` or `linstream.model.lm.LM.step`. Its names are followed as
   folders and modules while they lead to one; a name after a module is an attribute (not checked),
   a name after a package must be a module of it or appear in its `__init__.py`.
+- a section: a path to a .md file (or, in the docs, a sibling's name such as `models.md`) followed by
+  `#anchor` names a heading of that file, as GitHub makes anchors of headings.
 The folders of the installed package are mapped as pyproject.toml's package-dir maps them:
 `linstream.model` (and `linstream/model/`) is the folder `model/`, `linstream.server` is `server/`,
 `linstream.clients` is `clients/`.
@@ -39,6 +41,7 @@ FILE_OR_DIR = re.compile(
     r"(?<![\w./-])((?:%s)/[\w./-]*?(?:\.(?:%s)\b|/))(?![\w*{<$])" % ("|".join(ROOTS), "|".join(EXTENSIONS)))
 DOTTED = re.compile(r"(?<![\w./-])((?:linstream|benchmarks|harness|tests)(?:\.[A-Za-z_]\w*)+)")
 PLACEHOLDER = re.compile(r"[*{}<>$]|\.\.\.")
+SECTION = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*?\.md|[\w-]+\.md)#([\w-]+)" % "|".join(ROOTS))
 
 
 def sources() -> list[Path]:
@@ -96,6 +99,17 @@ def module_exists(dotted: str) -> bool:
     return True
 
 
+def anchors(md: Path) -> set[str]:
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation dropped, spaces as '-'."""
+    heads = (re.match(r"#{1,6}\s+(.*)", line) for line in md.read_text().splitlines())
+    return {re.sub(r"[^\w\- ]", "", h.group(1).strip().lower()).replace(" ", "-") for h in heads if h}
+
+
+def section_exists(file: str, anchor: str, named_in: Path) -> bool:
+    md = mapped(file) if "/" in file else (named_in.parent if named_in.suffix == ".md" else ROOT / "docs") / file
+    return not md.exists() or anchor in anchors(md)  # a missing file is reported as a path
+
+
 def missing_paths() -> list[str]:
     found = []
     for path in sources():
@@ -105,6 +119,9 @@ def missing_paths() -> list[str]:
             for m in FILE_OR_DIR.finditer(text):
                 if not PLACEHOLDER.search(m.group(1)) and not file_exists(m.group(1), rel):
                     found.append(f"{where}: {m.group(1)}")
+            for m in SECTION.finditer(text):
+                if not section_exists(m.group(1), m.group(2), path):
+                    found.append(f"{where}: {m.group(1)}#{m.group(2)}")
             for m in DOTTED.finditer(text):
                 if is_module_name(m.group(1)) and not module_exists(m.group(1)):
                     found.append(f"{where}: {m.group(1)}")
@@ -125,3 +142,5 @@ def test_the_rule():
     assert file_exists("benchmarks/results/serving/new.json", "benchmarks/serving/new.py")  # an output, named by its program
     assert module_exists("linstream.model.lm.LM.step") and module_exists("benchmarks.serving.cold_start")
     assert not module_exists("linstream.model.gone") and not is_module_name("linstream.engine")  # a logger's name
+    docs = ROOT / "docs" / "architecture.md"
+    assert section_exists("models.md", "the-mixers", docs) and not section_exists("docs/reliability.md", "gone", docs)
