@@ -159,6 +159,26 @@ def test_a_chat_goes_on_from_its_returned_state_on_any_replica_with_no_routing_k
             assert len(replicas) >= 2, how  # round robin: the turns were served by more than one replica
 
 
+def test_a_sessions_checkpoints_serve_its_rewind_on_another_replica(up):
+    """Checkpoints are written beside the session's record in Redis: a replica that did not make
+    them rewinds from the nearest one (K = 256 by default) and generates as a new session would."""
+    ids = [(7 * i) % 1500 + 20 for i in range(300)]
+    with httpx.Client(timeout=60) as c:
+        r = c.post(up.replica_url(0) + "/v1/sessions", json={"tokens": ids})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        r = c.post(up.replica_url(1) + f"/v1/sessions/{sid}/rewind", json={"position": 270})
+        assert r.status_code == 200, r.text
+        assert r.json()["from_position"] == 256 and r.json()["prefilled"] == 14
+        fresh = c.post(up.replica_url(2) + "/v1/sessions", json={"tokens": ids[:270]}).json()["id"]
+        gen = {"max_tokens": 6, **GREEDY}
+        a = c.post(up.replica_url(1) + f"/v1/sessions/{sid}/generate", json=gen).json()["tokens"]
+        b = c.post(up.replica_url(2) + f"/v1/sessions/{fresh}/generate", json=gen).json()["tokens"]
+        assert a == b
+        for x in (sid, fresh):
+            c.delete(up.url + f"/v1/sessions/{x}")
+
+
 def _stream_tokens(c: httpx.Client, sid: str, n: int, stop_after: int | None = None, on_stop=None, sampling=None):
     """Stream a generation of n tokens (greedy, or `sampling`); after `stop_after` tokens call
     `on_stop(replica)` and stop reading. -> (tokens, the replica that streamed them)."""
