@@ -25,6 +25,7 @@ stand in comments), and the docstrings and comments of the *.py files under the 
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import re
 import tokenize
@@ -99,6 +100,7 @@ def module_exists(dotted: str) -> bool:
     return True
 
 
+@functools.cache
 def anchors(md: Path) -> set[str]:
     """GitHub's anchors of a markdown file's headings: lower case, punctuation dropped, spaces as '-'."""
     heads = (re.match(r"#{1,6}\s+(.*)", line) for line in md.read_text().splitlines())
