@@ -127,6 +127,14 @@ def test_a_response_continues_from_its_state_as_from_previous_response_id(c):
     assert b["output"][0]["content"][0]["text"] == chained["output"][0]["content"][0]["text"]
     assert b["usage"]["input_tokens_details"]["cached_tokens"] == a["state"]["position"]
     ResponseObject.model_validate(a)
+    with c.stream("POST", "/v1/responses", json={"model": "linear", "input": "And the road?", "max_output_tokens": 8,
+                                                 "state": a["state"]["snapshot_id"], "stream": True,
+                                                 "return_state": True, **GREEDY}) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: ")]
+    last = events[-1]["response"]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete") and "blob" not in last["state"]
+    assert last["output"][0]["content"][0]["text"] == chained["output"][0]["content"][0]["text"]
+    assert last["state"]["position"] == last["usage"]["total_tokens"]
 
 
 def test_refusals_are_clear_and_keep_nothing(c, server):
