@@ -170,10 +170,14 @@ def _function(t: dict, i: int) -> Function:
 
 
 def check(req: OpenAISampling, tools: Tools | None) -> None:
-    """A tool call constrains the output: no other constraint beside it."""
-    if tools is not None and tools.calls and constraint(req) is not None:
-        raise _bad("tool_choice: a tool call is already constrained; leave out response_format and guided_*",
-                   "tool_choice")
+    """A tool call constrains the output: no guided_* field beside it. A response_format is the
+    form of a text answer, which a required call takes the place of: taken (still checked) and not
+    applied, as OpenAI takes both (agent libraries send an output type beside tool_choice)."""
+    if tools is not None and tools.calls:
+        constraint(req)  # a malformed response_format is refused all the same
+        guided = [name for name in GUIDED if getattr(req, name) is not None]
+        if guided:
+            raise _bad(f"tool_choice: a tool call is already constrained; leave out {guided[0]}", guided[0])
 
 
 class Calls:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
+from linstream.model.constrain import Matcher
 from linstream.model.sampling import SamplingParams
 
 from ..core.errors import APIError
@@ -122,14 +123,16 @@ def separator(tail: str) -> str:
     return "" if tail.endswith("\n\n") else "\n" if tail.endswith("\n") else "\n\n"
 
 
-async def generate_on(rt: Runtime, s: Session, push: list[int] | None, params: SamplingParams) -> Stream:
+async def generate_on(rt: Runtime, s: Session, push: list[int] | None, params: SamplingParams,
+                      matcher: Matcher | None = None) -> Stream:
     """Push `push` (None: nothing) onto a session this request made (a fork, a new or a temporary
-    one) and start generating on it; the session is deleted if that fails (nothing names it yet)."""
+    one) and start generating on it, its tokens following `matcher` if any; the session is deleted
+    if that fails (nothing names it yet)."""
     try:
         async with rt.hold(s, release=False) as s:
             if push is not None:
                 await rt.push(s, push)
-            return rt.generate(s, params)
+            return rt.generate(s, params, matcher=matcher)
     except BaseException:  # refused, failed or cancelled
         if rt.sessions.get(s.id) is s:
             await asyncio.shield(rt.spawn(rt.delete(s)))

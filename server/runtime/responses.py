@@ -24,6 +24,7 @@ from linstream.model.tokenizer import Tokenizer
 from ..core.errors import APIError, not_found
 from ..sessions.responses import ResponseRecords
 from ..sessions.session import Session
+from .constraints import Constraint
 from .client_state import HandBack, StateRef, check_returnable, continue_from, engine_of
 from .generation import generate_on
 from .stream import Stream
@@ -76,11 +77,12 @@ class Turn:
 
 async def open_turn(rt: Runtime, owner: str, model: str | None, previous: str | None, render: Callable[[str | None, Tokenizer], str],
                     params: SamplingParams, store: bool, state: StateRef | None = None,
-                    return_state: bool | str = False) -> Turn:
+                    return_state: bool | str = False, constraint: Constraint | None = None) -> Turn:
     """Start generating a response: on a fork of the session of response `previous`, on a session
     restored from a client's `state` (runtime/client_state.py), or on a new session. `render(tail,
     tok)` -> the text this request adds, given the text of the last few tokens of the state it goes
-    on from (None for a new conversation). `return_state`: the state after it is handed back."""
+    on from (None for a new conversation). `return_state`: the state after it is handed back.
+    `constraint`: what the output follows (a tool call, a JSON schema: api/structured.py)."""
     parent, blob = None, None
     if previous:
         meta = await records(rt).get(previous, owner, "previous_response_id")
@@ -93,6 +95,7 @@ async def open_turn(rt: Runtime, owner: str, model: str | None, previous: str | 
         eng, blob = await engine_of(rt, state, owner, model)
     else:
         eng = rt.engine(model)
+    matcher = await rt.constrain(eng, constraint, owner)  # a grammar that does not compile: refused before any work
     rt.admit(eng, owner)  # draining, overloaded or rate-limited: refused before any work
     # a state's session holds the conversation: this request's input is pushed whole, as after a parent
     restored = None if blob is None else await (rt.snapshots.restore(blob, eng, owner) if store else
@@ -116,7 +119,7 @@ async def open_turn(rt: Runtime, owner: str, model: str | None, previous: str | 
     else:  # a temporary session, from the longest cached prefix of the input
         s = await rt.start_from_prefix(eng, owner, ids)
         cached, push = s.position, ids[s.position:]
-    st = await generate_on(rt, s, push, params)
+    st = await generate_on(rt, s, push, params, matcher)
     st.hand_back = HandBack(return_state) if return_state else None
     return Turn(st, cached, store, rt)
 

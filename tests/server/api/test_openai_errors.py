@@ -161,11 +161,11 @@ REFUSALS = {
     ("chat", "functions"): ("/v1/chat/completions", {**CHAT_BODY, "functions": [{"name": "f"}]}, "functions"),
     ("chat", "function_call"): ("/v1/chat/completions", {**CHAT_BODY, "function_call": "auto"}, "function_call"),
     ("responses", "tools"): ("/v1/responses", {"model": "linear", "input": "Hi", "tools": [{"type": "web_search"}]},
-                             "tools"),
+                             "tools[0].type"),
     ("responses", "tool_choice"): ("/v1/responses", {"model": "linear", "input": "Hi", "tool_choice": "required"},
                                    "tool_choice"),
     ("responses", "text.format"): ("/v1/responses", {"model": "linear", "input": "Hi", "text": {
-        "format": {"type": "json_object"}}}, "text.format"),
+        "format": {"type": "yaml"}}}, "text.format.type"),
     ("responses", "top_logprobs"): ("/v1/responses", {"model": "linear", "input": "Hi", "top_logprobs": 2},
                                     "top_logprobs"),
     ("responses", "background"): ("/v1/responses", {"model": "linear", "input": "Hi", "background": True}, "background"),
@@ -173,7 +173,7 @@ REFUSALS = {
                                     "conversation"),
     ("responses", "prompt"): ("/v1/responses", {"model": "linear", "input": "Hi", "prompt": {"id": "p"}}, "prompt"),
     ("responses", "input"): ("/v1/responses", {"model": "linear", "input": [
-        {"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0].type"),
+        {"type": "reasoning", "summary": []}]}, "input[0].type"),
     ("responses", "content"): ("/v1/responses", {"model": "linear", "input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "data:,"}]}]}, "input[0].content[0].type"),
 }

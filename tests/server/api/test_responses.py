@@ -6,8 +6,11 @@ import json
 import threading
 import time
 
+from typing import Literal
+
 import httpx
 import pytest
+from pydantic import BaseModel, Field
 
 from tests.helpers import ServerProcess, make_checkpoint
 
@@ -191,9 +194,16 @@ def test_input_items_render_as_chat_messages_and_the_rest_is_refused(client, ser
     refused = [({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
                                                         {"type": "input_image", "image_url": "x"}]}]},
                 "input[0].content[1].type"),
-               ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0].type"),
-               ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-               ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format"),
+               ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+               ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id"),
+               ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+               ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}], "tool_choice": "required"},
+                "tools[0].name"),
+               ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+               ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+               ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+               ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}},
+                "text.format.schema"),
                ({"input": []}, "input"),
                ({"input": "x", "temperature": -1}, "temperature")]
     for kw, param in refused:
@@ -206,6 +216,87 @@ def test_input_items_render_as_chat_messages_and_the_rest_is_refused(client, ser
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model="gpt-4o", input="x")
     assert e.value.code == "model_not_found"
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.", "strict": True,
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                           "unit": {"enum": ["c", "f"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}
+NOON = {"type": "function", "name": "time_in", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+                                                              "required": ["zone"], "additionalProperties": False}}
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=8)
+    role: Literal["king", "queen", "fool"]
+    age: int = Field(ge=0, le=120)
+
+
+def sampled(client, max_output_tokens=64, **kw):
+    return client.responses.create(model="linear", max_output_tokens=max_output_tokens, extra_body={"seed": 3}, **kw)
+
+
+def test_a_required_tool_call_is_a_function_call_item_whose_arguments_parse(client, server):
+    for choice, parallel in (("required", False), ({"type": "function", "name": "get_weather"}, True)):
+        r = sampled(client, input="Weather in Verona?", tools=[WEATHER, NOON], tool_choice=choice,
+                    parallel_tool_calls=parallel)
+        assert r.status == "completed" and r.to_dict()["tool_choice"] == choice and r.parallel_tool_calls is parallel
+        [call] = r.output
+        assert call.type == "function_call" and call.status == "completed" and call.call_id.startswith("call_")
+        args = json.loads(call.arguments)
+        assert (call.name, set(args)) in (("get_weather", {"city", "unit"}), ("time_in", {"zone"}))
+        assert client.responses.retrieve(r.id).output[0].model_dump() == call.model_dump()
+    both = sampled(client, input="Weather?", tools=[WEATHER, NOON], tool_choice="required", max_output_tokens=64)
+    assert all(o.type == "function_call" for o in both.output) and both.output  # parallel: one call or more
+    plain = greedy(client, input="Weather?", tools=[WEATHER])  # auto: the tools shown, a text answer
+    assert plain.output[0].type == "message" and plain.tools[0].name == "get_weather"
+    assert plain.usage.input_tokens > greedy(client, input="Weather?").usage.input_tokens  # the tools' prompt
+
+
+def test_a_function_call_output_continues_the_stored_response(client, server):
+    r = sampled(client, input="Weather in Verona?", tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    call = r.output[0]
+    answer = [{"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"sky": "clear"})}]
+    after = sampled(client, input=answer, previous_response_id=r.id, tools=[WEATHER])
+    assert after.output[0].type == "message" and after.previous_response_id == r.id
+    assert after.usage.input_tokens_details.cached_tokens == r.usage.total_tokens
+    # the same turn re-sent whole (the call as an input item, no previous_response_id) renders the same tool message
+    whole = [{"role": "user", "content": "Weather in Verona?"}, call.model_dump(include={"type", "call_id", "name", "arguments"}),
+             *answer]
+    again = sampled(client, input=whole, tools=[WEATHER])
+    assert abs(again.usage.input_tokens - after.usage.input_tokens) <= 2  # (BPE may merge across the call's end)
+    assert after.usage.input_tokens - r.usage.total_tokens == count(server, '\n\nTOOL:\n{"sky": "clear"}\n\nASSISTANT:\n')
+
+
+def test_a_streamed_tool_call_sends_its_items_and_argument_deltas(client):
+    with client.responses.stream(model="linear", input="Weather?", tools=[WEATHER], tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=64, extra_body={"seed": 3}) as s:
+        events = list(s)
+        final = s.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert set(kinds[3:-3]) == {"response.function_call_arguments.delta"}
+    [call] = final.output
+    assert "".join(e.delta for e in events if e.type.endswith("arguments.delta")) == call.arguments == events[-3].arguments
+    assert events[2].item.id == call.id and events[2].item.call_id == call.call_id
+    assert client.responses.retrieve(final.id).output[0].arguments == call.arguments
+    assert json.loads(call.arguments).keys() == {"city", "unit"}
+
+
+def test_text_format_json_schema_and_json_object(client):
+    parsed = client.responses.parse(model="linear", input="Who rules?", text_format=Person, max_output_tokens=64,
+                                    extra_body={"seed": 3})
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Person)
+    assert Person.model_validate_json(parsed.output_text) == parsed.output_parsed
+    assert parsed.text.format.type == "json_schema" and parsed.text.format.name == "Person"
+    with client.responses.stream(model="linear", input="Who rules?", text_format=Person, max_output_tokens=64,
+                                 extra_body={"seed": 3}) as s:
+        assert s.get_final_response().output_parsed == parsed.output_parsed  # the same seed, the same tokens
+    obj = sampled(client, input="JSON, please.", text={"format": {"type": "json_object"}})  # any object: may run long
+    assert obj.output_text.startswith("{") and (obj.status == "incomplete" or isinstance(json.loads(obj.output_text), dict))
+    cut = sampled(client, input="Who rules?", text={"format": {"type": "json_object"}}, max_output_tokens=3)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
 
 
 def test_langchain_responses_mode(server):
