@@ -78,15 +78,17 @@ def too_large(param: str, what: str, limit: int) -> APIError:
                     "state by its snapshot id (return_state: true) instead", param=param)
 
 
-def check_returnable(rt: Runtime, eng: Engine, how: str | bool, position: int, max_tokens: int) -> None:
-    """Refuse, before any work, a blob that would pass `state_blob_bytes` (the state after
-    `position` + `max_tokens` tokens, and that history)."""
-    if how == "blob":
-        limit = rt.settings.state_blob_bytes
-        most = eng.empty.row_nbytes() + eng.kv_token_bytes * (position + max_tokens) + 8 * (position + max_tokens)
-        if most + HEADER_ROOM > limit:
-            raise too_large("return_state", f"the state after up to {position + max_tokens} tokens, a blob of up to "
-                            f"{most + HEADER_ROOM} bytes,", limit)
+def check_returnable(rt: Runtime, eng: Engine, how: str | bool, position: int, max_tokens: int, owner: str) -> None:
+    """Refuse, before any work, a state that could not be handed back: a blob past
+    `state_blob_bytes`, or a snapshot past the key's quota of snapshot bytes (sessions/quotas.py),
+    for the state after `position` + `max_tokens` tokens and that history."""
+    if not how:
+        return
+    most = eng.empty.row_nbytes() + (eng.kv_token_bytes + 8) * (position + max_tokens) + HEADER_ROOM
+    if how == "blob" and most > rt.settings.state_blob_bytes:
+        raise too_large("return_state", f"the state after up to {position + max_tokens} tokens, a blob of up to "
+                        f"{most} bytes,", rt.settings.state_blob_bytes)
+    rt.records.quotas.check_snapshot(owner, most)
 
 
 async def engine_of(rt: Runtime, ref: StateRef, owner: str, model: str | None) -> tuple[Engine, bytes]:
@@ -193,4 +195,3 @@ async def close_turn(rt: Runtime, s: Session, hb: HandBack, stops: list[str]) ->
     if more:
         await eng.prefill(s.slot, more, owner=s.owner, checkpoints=s.checkpoints.hook())
         s.tokens.extend(more)
-

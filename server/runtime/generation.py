@@ -88,7 +88,7 @@ async def open_generation(rt: Runtime, req: GenerationRequest) -> Stream:
             point = await rt.restore_point(s) if req.one_body and not temporary else None
             pushed = None
             push = ids[start:] if temporary and blob is None else ids
-            check_returnable(rt, eng, req.return_state, s.position + len(push), req.params.max_tokens)
+            check_returnable(rt, eng, req.return_state, s.position + len(push), req.params.max_tokens, req.owner)
             if req.prompt is not None:
                 _, job = await rt.push(s, push, req.echo_logprobs)
                 pushed = job.results if job is not None and req.echo_logprobs is not None else None

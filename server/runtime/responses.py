@@ -103,7 +103,7 @@ async def open_turn(rt: Runtime, owner: str, model: str | None, previous: str | 
     base = parent or restored
     try:
         ids = await rt.tokens_of(eng, render(eng.tok.decode(base.tokens[-4:]) if base else None, eng.tok), None)
-        check_returnable(rt, eng, return_state, (base.position if base else 0) + len(ids), params.max_tokens)
+        check_returnable(rt, eng, return_state, (base.position if base else 0) + len(ids), params.max_tokens, owner)
     except BaseException:
         if restored is not None:
             await asyncio.shield(rt.delete(restored))
