@@ -48,9 +48,14 @@ class Checkpoints:
 
     # ---- engine thread -------------------------------------------------------------------------
     def capture(self, position: int, state: State) -> None:
-        """The row at `position` (a multiple of K), as the engine read it."""
+        """The row at `position` (a multiple of K), as the engine read it. Held within the budget
+        already: a long push hands a copy every K tokens before `settle` sees any, and a KV cache's
+        copy is the whole cache, so holding them all would take many times what the session may keep."""
+        nbytes = state.row_nbytes()
         with self.lock:
             self.taken.append((position, state))
+            most = self.budget // nbytes if nbytes else len(self.taken)
+            del self.taken[:max(0, len(self.taken) - most)]  # the oldest first, as settle drops them
 
     # ---- event loop ----------------------------------------------------------------------------
     def settle(self, position: int) -> None:

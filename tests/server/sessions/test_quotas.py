@@ -1,7 +1,8 @@
 """Per-key quotas against a real `linstream serve`: a key past its sessions (stored responses
 counted with them) or its snapshot bytes gets 429 `quota_exceeded` naming the setting, before any
 work, while another key goes on; deleting makes room. A Redis store at its maxmemory (noeviction)
-refuses a write: 507 `store_full`, and no session already kept is dropped."""
+refuses a write: 507 `store_full`, and no session already kept is dropped. A session's checkpoint
+copies are held within their budget while a long push runs."""
 import shutil
 import subprocess
 import time
@@ -96,3 +97,19 @@ def test_a_full_redis_is_a_507_and_drops_no_session():
     finally:
         rs.kill()
         rs.wait()
+
+
+def test_checkpoint_copies_are_held_within_their_budget_while_a_push_runs():
+    """A long push into a KV-cache session hands the session a copy of the whole cache every K
+    tokens before it settles; only what the budget lets it keep is held meanwhile."""
+    import torch
+    from linstream.model.state import State
+    from linstream.server.sessions.checkpoints import Checkpoints
+
+    c = Checkpoints(every=256, budget=(3 << 20) + 64)
+    for i in range(1, 33):  # a copy of 1 MiB and a few bytes each: three fit
+        c.capture(256 * i, State([{"k": torch.zeros(1, 1 << 18)}], torch.zeros(1), [{}], torch.zeros(1, 1)))
+    assert [p for p, _ in c.taken] == [256 * 30, 256 * 31, 256 * 32]
+    big = Checkpoints(every=256, budget=1 << 20)
+    big.capture(256, State([{"k": torch.zeros(1, 1 << 19)}], torch.zeros(1), [{}], torch.zeros(1, 1)))  # 2 MiB
+    assert big.taken == []
