@@ -2,17 +2,22 @@
 `client.responses`: a stored response is its session's state at the end, so a response that
 follows it (previous_response_id) prefills only its own input, continues exactly as the same turns
 pushed to one session do, and two responses from one parent are two forks."""
+import dataclasses
 import json
+import shutil
 import threading
 import time
-
+from pathlib import Path
 from typing import Literal
 
 import httpx
 import pytest
+import torch
+from linstream.model.config import PRESETS
+from linstream.model.lm import LM
 from pydantic import BaseModel, Field
 
-from tests.helpers import ServerProcess, make_checkpoint
+from tests.helpers import TOKENIZER, TOKENIZER_CONFIG, ServerProcess, make_checkpoint
 
 openai = pytest.importorskip("openai")
 
@@ -310,6 +315,44 @@ def test_langchain_responses_mode(server):
                             use_responses_api=True, use_previous_response_id=True)
     first = chained.invoke("Speak.")
     assert chained.invoke(["Speak.", first, "Again."]).text
+
+
+def ending_checkpoint(d: Path) -> Path:
+    """A tiny model with the shipped tokenizer_config (eos <|end|>, the chat template) that ends
+    its turn within a few tokens: its final LayerNorm gives a constant, which the head scores 8 at
+    <|end|> and 0 elsewhere (at temperature 1, <|end|> is drawn with probability 0.59)."""
+    torch.manual_seed(0)
+    model = LM(dataclasses.replace(PRESETS["tiny-linear"], vocab_size=2050, norm="layer"))
+    with torch.no_grad():
+        model.norm.weight.zero_()
+        model.norm.bias.zero_()
+        model.norm.bias[0] = 1.0
+        model.head.weight[:, 0] = 0.0
+        model.head.weight[2048, 0] = 8.0  # <|end|>
+    out = d / "ending"
+    model.save(out)
+    shutil.copy(TOKENIZER, out / "tokenizer.json")
+    shutil.copy(TOKENIZER_CONFIG, out / "tokenizer_config.json")
+    return out
+
+
+@pytest.mark.slow  # a server of its own
+def test_a_turn_the_model_ends_is_completed(tmp_path):
+    srv = ServerProcess([str(ending_checkpoint(tmp_path))])
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        r = c.responses.create(input="Speak.", max_output_tokens=40, extra_body={"seed": 1})
+        assert r.status == "completed" and r.incomplete_details is None and r.output[0].status == "completed"
+        assert r.usage.output_tokens < 40 and "<|end|>" not in r.output_text
+        events = list(c.responses.create(input="Speak.", max_output_tokens=40, extra_body={"seed": 1}, stream=True))
+        assert events[-1].type == "response.completed" and events[-1].response.output_text == r.output_text
+        ends = set()  # one token: the model's end (completed) or another (cut: incomplete), by the seed
+        for seed in range(8):
+            one = c.responses.create(input="Speak.", max_output_tokens=1, extra_body={"seed": seed})
+            ends.add((one.status, one.incomplete_details and one.incomplete_details.reason, one.output_text == ""))
+        assert ends == {("completed", None, True), ("incomplete", "max_output_tokens", False)}
+    finally:
+        srv.stop()
 
 
 @pytest.mark.slow  # two more servers, one after the other
