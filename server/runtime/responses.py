@@ -102,7 +102,7 @@ async def open_turn(rt: Runtime, owner: str, model: str | None, previous: str | 
                                                 continue_from(rt, eng, blob, owner))
     base = parent or restored
     try:
-        ids = await rt.tokens_of(eng, render(eng.tok.decode(base.tokens[-4:]) if base else None, eng.tok), None)
+        ids = await rt.tokens_of(eng, render(tail_text(eng.tok, base.tokens[-4:]) if base else None, eng.tok), None)
         check_returnable(rt, eng, return_state, (base.position if base else 0) + len(ids), params.max_tokens, owner)
     except BaseException:
         if restored is not None:
@@ -122,6 +122,21 @@ async def open_turn(rt: Runtime, owner: str, model: str | None, previous: str | 
     st = await generate_on(rt, s, push, params, matcher)
     st.hand_back = HandBack(return_state) if return_state else None
     return Turn(st, cached, store, rt)
+
+
+def tail_text(tok: Tokenizer, ids: list[int]) -> str:
+    """The text of a state's last tokens, an end-of-turn token written as the chat template writes
+    it (it decodes to no text), so that what follows can tell a turn the model ended from one cut
+    short or ended by its grammar (a tool call)."""
+    eos = tok.chat_template.eos_token if tok.chat_template is not None else ""
+    out, run = [], []
+    for t in ids:
+        if t in tok.eos_ids:
+            out += [tok.decode(run), eos]
+            run = []
+        else:
+            run.append(t)
+    return "".join(out) + tok.decode(run)
 
 
 async def _parent(rt: Runtime, sid: str, rid: str, owner: str) -> Session:

@@ -22,6 +22,8 @@ from typing import TypeVar
 import orjson
 from fastapi import APIRouter, Request
 
+from linstream.model.chat_template import ChatTemplate
+
 from ...core.auth import Owner
 from ...core.errors import APIError, StoreUnavailable
 from ...engine.prompts import context_phrase
@@ -31,8 +33,9 @@ from ...runtime.client_state import refuse_one, state_ref
 from ...runtime.generation import separator
 from ...sessions.responses import new_response_id
 from ...sessions.session import new_id
+from ..chat_turns import STAND_IN
 from ..disconnect import ClientGone, unless_gone
-from ..openai_schemas import chat_prompt
+from ..openai_schemas import PLAIN_TRANSCRIPT, chat_prompt
 from ..responses_schemas import (CreateResponse, ResponseDeleted, ResponseObject, as_chat, messages, responses_param,
                                  unsupported)
 from ..schemas import answers, streamed
@@ -108,9 +111,31 @@ def render(msgs, tools: Tools | None):
     of a state that ends in `tail` (None: a new conversation, which the tools' prompt starts, as
     the chat route's does)."""
     def text(tail: str | None, tok) -> str:  # tok: the model's tokenizer, whose chat template renders them
-        head = (tools.prompt() if tools is not None else "") if tail is None else separator(tail)
+        head = (tools.prompt() if tools is not None else "") if tail is None else after_answer(tail, tok.chat_template)
         return head + chat_prompt(msgs, tok.chat_template)
     return text
+
+
+def after_answer(tail: str, template: ChatTemplate | None) -> str:
+    """What goes between a state ending in `tail` (runtime/responses.py's tail_text: an answer, a
+    tool call, whole or cut) and the messages after it: what the template writes after an
+    assistant's message, less the part the state holds already (the shipped template's <|end|>
+    and blank line, of which a turn the model ended holds the <|end|>; the built-in's blank line).
+    Only the end-of-turn mark or whitespace counts as held: a tail ending in '<' holds no <|end|>."""
+    t = template or PLAIN_TRANSCRIPT
+    try:
+        head, whole = t.render(STAND_IN[:1]), t.render(STAND_IN, add_generation_prompt=False)
+    except Exception:  # noqa: BLE001  (a template that refuses the stand-in: the blank line)
+        return separator(tail)
+    answer = STAND_IN[1]["content"]
+    if not whole.startswith(head + answer):
+        return separator(tail)
+    closing = whole[len(head) + len(answer):]
+    for k in range(len(closing), 0, -1):
+        held = closing[:k]
+        if tail.endswith(held) and (held.isspace() or (t.eos_token and held.startswith(t.eos_token))):
+            return closing[k:]
+    return closing
 
 
 def plan(req: CreateResponse) -> tuple[Tools | None, object]:

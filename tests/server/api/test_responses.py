@@ -351,6 +351,17 @@ def test_a_turn_the_model_ends_is_completed(tmp_path):
             one = c.responses.create(input="Speak.", max_output_tokens=1, extra_body={"seed": seed})
             ends.add((one.status, one.incomplete_details and one.incomplete_details.reason, one.output_text == ""))
         assert ends == {("completed", None, True), ("incomplete", "max_output_tokens", False)}
+        # what follows a turn the template writes <|end|> after: held by the state where the model
+        # ended it, pushed after a tool call (ended by its grammar), then the messages
+        count = lambda text: httpx.post(srv.url + "/tokenize", json={"prompt": text}).json()["count"]  # noqa: E731
+        later = c.responses.create(input="Again.", previous_response_id=r.id, max_output_tokens=4)
+        assert later.usage.input_tokens - r.usage.total_tokens == count("\n\nUSER.\nAgain.<|end|>\n\nASSISTANT.\n")
+        call = c.responses.create(input="Weather?", tools=[WEATHER], tool_choice="required", max_output_tokens=120,
+                                  parallel_tool_calls=False, extra_body={"seed": 1})
+        assert call.status == "completed" and call.output[0].type == "function_call"
+        answer = {"type": "function_call_output", "call_id": call.output[0].call_id, "output": "clear"}
+        after = c.responses.create(input=[answer], previous_response_id=call.id, max_output_tokens=4)
+        assert after.usage.input_tokens - call.usage.total_tokens == count("<|end|>\n\nTOOL.\nclear<|end|>\n\nASSISTANT.\n")
     finally:
         srv.stop()
 
