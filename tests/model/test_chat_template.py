@@ -40,11 +40,13 @@ def test_transformers_renders_the_shipped_template_alike(tmp_path):
 
 def test_the_corpus_turns_are_what_the_template_writes():
     """A speech in the training text reads as the template writes a message: the speaker's line,
-    the speech, <|end|> right after its last character, the blank line; a heading starts a document."""
-    text = "ACT I.\n\nSCENE 1. A room.\n\nHAMLET.\nTo be,\nor not.\n\n[Exit.]\n\nLIST.\n\nHORATIO.\nAy.\n"
+    the speech (over blank lines, to the next speaker, heading or stage direction), <|end|> right
+    after its last character, the blank line; a heading starts a document."""
+    text = ("ACT I.\n\nSCENE 1. A room.\n\nHAMLET.\nTo be,\n\nor not.  \n\n[Exit.]\n\nLIST.\n\nHor.\nAy.\n\n"
+            "MRS. PAGE.\nNay.\n\nSCENE 2.\n")
     marked = with_marks(text, turn_marks(text, [0]))
-    assert marked == ("<|endoftext|>ACT I.\n\nSCENE 1. A room.\n\nHAMLET.\nTo be,\nor not.<|end|>\n\n[Exit.]\n\nLIST.\n\n"
-                      "HORATIO.\nAy.<|end|>\n")
+    assert marked == ("<|endoftext|>ACT I.\n\nSCENE 1. A room.\n\nHAMLET.\nTo be,\n\nor not.<|end|>  \n\n[Exit.]\n\n"
+                      "LIST.\n\nHor.\nAy.<|end|>\n\nMRS. PAGE.\nNay.<|end|>\n\n<|endoftext|>SCENE 2.\n")
     assert marked.replace(END_OF_TURN, "").replace(END_OF_TEXT, "") == text
 
 

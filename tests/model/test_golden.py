@@ -18,9 +18,9 @@ from linstream.server.core.settings import Settings
 
 CKPT = WEIGHTS / "linear"
 PROMPT = "ROMEO:\nBut soft, what light"
-GOLDEN = "s, and all the world\nTo be a city of the world, and to be\nThe city of the King's son, and the King"
-GOLDEN_IDS = [82, 11, 290, 407, 267, 846, 198, 408, 305, 258, 278, 606, 293, 267, 846, 11, 290, 289, 305, 198, 345,
-              278, 606, 293, 267, 852, 324, 782, 11, 290, 267, 852]
+GOLDEN = " is not so much\nTo be a city of my love.\n\n\nABOLINGBROKE.\nI am a man, and"
+GOLDEN_IDS = [323, 322, 365, 719, 198, 408, 305, 258, 278, 606, 293, 309, 499, 13, 198, 198, 198, 32, 33, 534, 537, 33,
+              588, 880, 13, 198, 40, 456, 258, 442, 11, 290]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """/v1/chat/completions and /v1/responses render their messages with the served checkpoint's
-chat template (or --chat-template's), /v1/models says which."""
+chat template (or --chat-template's), /v1/models says which; the shipped default model ends its
+turns with "stop" on its eos token."""
 import json
 
 import httpx
@@ -67,3 +68,23 @@ def test_a_bad_template_file_stops_the_start_in_one_line(custom, tmp_path):
     with pytest.raises(SystemExit, match=r"cannot serve .*: chat template \(file\) does not parse") as e:
         check_checkpoints(Settings(models=[str(custom)], chat_template=f))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.asyncio
+async def test_the_shipped_default_model_ends_its_turns():
+    """A few chat requests of the default model, sampled as by default (seeded), end on its eos
+    token well within max_tokens. (Greedy text of a model this small falls into a loop of stage
+    directions instead: docs/models.md#turns-and-chat-templates.)"""
+    app = create_app(Settings(compile="off"))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            for seed, text in enumerate(("Good morrow, how dost thou?", "What news from the court?",
+                                         "Wilt thou come with me?")):
+                r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": text}],
+                                                               "max_tokens": 200, "seed": seed})
+                choice = r.json()["choices"][0]
+                assert choice["finish_reason"] == "stop", choice
+                assert r.json()["usage"]["completion_tokens"] < 200 and "<|end|>" not in choice["message"]["content"]
+            r = await c.post("/v1/responses", json={"input": "What news from the court?", "max_output_tokens": 200,
+                                                    "seed": 0})
+            assert r.json()["status"] == "completed", r.json()
