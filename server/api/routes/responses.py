@@ -28,7 +28,7 @@ from ...core.auth import Owner
 from ...core.errors import APIError, StoreUnavailable
 from ...engine.prompts import context_phrase
 from ...runtime import responses
-from ...runtime.constraints import error_status
+from ...runtime.constraints import Constraint, error_status
 from ...runtime.client_state import refuse_one, state_ref
 from ...runtime.generation import separator
 from ...sessions.responses import new_response_id
@@ -138,7 +138,7 @@ def after_answer(tail: str, template: ChatTemplate | None) -> str:
     return closing
 
 
-def plan(req: CreateResponse) -> tuple[Tools | None, object]:
+def plan(req: CreateResponse) -> tuple[Tools | None, Constraint | None]:
     """The request's tools and what its output is constrained to, as the chat route plans them
     (api/structured.py); errors name this route's fields."""
     view = as_chat(req)
