@@ -150,9 +150,10 @@ class Settings(BaseSettings):
     quota_snapshot_bytes: int | None = Field(None, ge=0)
     # state in the client's hands (docs/api.md#client-held-state): a state returned by an OpenAI
     # route is kept as a snapshot this many seconds (0 = as snapshot_ttl), and a state blob returned
-    # or sent there is at most state_blob_bytes (400 naming the limit past it)
+    # or sent there is at most state_blob_bytes (400 naming the limit past it): the shipped models'
+    # 176 KiB state with 40,000 tokens of history; a larger state is handed back by snapshot id
     state_ttl: float = Field(3600.0, ge=0)
-    state_blob_bytes: int = Field(4 << 20, gt=0)
+    state_blob_bytes: int = Field(512 << 10, gt=0)
     # rewind: a session keeps a copy of its state every checkpoint_every tokens (0 = none), at most
     # checkpoint_bytes of them per session (the oldest go first), in memory and in the store
     checkpoint_every: int = Field(256, ge=0)
