@@ -1,12 +1,13 @@
 """Tools and structured output through the agent libraries, against a real server process on the
 shipped model: openai-agents (an Agent with a function tool and an output type, on its Responses
-model and its chat-completions model), pydantic-ai's Responses model (an output type, as a tool
-and as a JSON schema; a function tool), LangChain's ChatOpenAI on the Responses API (bind_tools,
+model and its chat-completions model, run and streamed), pydantic-ai's Responses model (an output
+type, as a tool and as a JSON schema, run and streamed; a function tool), LangChain's ChatOpenAI on the Responses API (bind_tools,
 with_structured_output). A small model would rarely call a tool of its own accord: the tests ask
 for calls (tool_choice required or named) and structured output, so that each path runs every
 time, and check the shapes that come back."""
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Literal
 
@@ -68,6 +69,18 @@ def test_openai_agents_tool_then_output_type_on_both_models(server):
         kinds = [item.type for item in result.new_items]
         assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item", kinds
 
+    async def streamed():  # the same run over the Responses API's events (a client of this event loop)
+        own = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        run = agents.Runner.run_streamed(agents.Agent(name="herald", tools=[get_weather], output_type=Person,
+                                                      model=agents.OpenAIResponsesModel("linear", own),
+                                                      model_settings=settings), "Weather in Verona?", max_turns=4)
+        deltas = [ev async for ev in run.stream_events() if ev.type == "raw_response_event"
+                  and ev.data.type == "response.function_call_arguments.delta"]
+        return run.final_output, deltas
+    called.clear()
+    final, deltas = asyncio.run(streamed())
+    assert isinstance(final, Person) and len(called) == 1 and deltas
+
 
 def test_pydantic_ai_responses_model_output_types_and_a_tool(server):
     pytest.importorskip("pydantic_ai")
@@ -79,14 +92,21 @@ def test_pydantic_ai_responses_model_output_types_and_a_tool(server):
     from pydantic_ai.providers.openai import OpenAIProvider
     from pydantic_ai.tools import ToolDefinition
 
-    model = OpenAIResponsesModel("linear", provider=OpenAIProvider(base_url=server.url + "/v1", api_key="unused"))
+    def responses_model() -> OpenAIResponsesModel:  # (its client is bound to the event loop that first uses it)
+        return OpenAIResponsesModel("linear", provider=OpenAIProvider(base_url=server.url + "/v1", api_key="unused"))
+    model = responses_model()
     settings = {"max_tokens": 200, "seed": 1, "parallel_tool_calls": False}
     for output in (Person, NativeOutput(Person)):  # its output tool (a required call), then text.format json_schema
-        result = Agent(model, output_type=output, model_settings=settings).run_sync("Who rules in Denmark?")
-        assert isinstance(result.output, Person), output
+        assert isinstance(Agent(model, output_type=output, model_settings=settings).run_sync("Who rules?").output, Person)
+
+        async def streamed(output=output):
+            agent = Agent(responses_model(), output_type=output, model_settings=settings)
+            async with agent.run_stream("Who rules in Denmark?") as run:
+                return await run.get_output()
+        assert isinstance(asyncio.run(streamed()), Person), output
     weather = ToolDefinition(name="get_weather", description=GetWeather.__doc__,
                              parameters_json_schema=GetWeather.model_json_schema())
-    reply = model_request_sync(model, [ModelRequest.user_text_prompt("Weather in Verona?")], model_settings=settings,
+    reply = model_request_sync(responses_model(), [ModelRequest.user_text_prompt("Weather in Verona?")], model_settings=settings,
                                model_request_parameters=ModelRequestParameters(function_tools=[weather],
                                                                                allow_text_output=False))
     [call] = [p for p in reply.parts if isinstance(p, ToolCallPart)]
