@@ -317,8 +317,6 @@ class ModelCard(ResponseBody):
     kernel: str | None = Field(description="the kind of our matmul its projections run on, if ours")
     chat_template: dict[str, str] = Field(description="the chat template in force: its source (checkpoint, file "
                                           "or built-in) and the first 12 hex digits of its sha256")
-    chat_template: dict[str, str] = Field(description="the chat template in force: its source (checkpoint, file "
-                                          "or built-in) and the first 12 hex digits of its sha256")
 
 
 class ModelList(ResponseBody):
