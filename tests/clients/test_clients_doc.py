@@ -1,12 +1,27 @@
-"""docs/clients.md's install lines and commands for the third-party tools, checked against what
-they need (read off the tools' packaging once, not installed here): lm-eval's API models need its
-[api] extra and transformers; guidellm's torch pulled from the CUDA index unless the CPU build is
-installed first (the version this checkout runs); guidellm's reports kept out of the checkout."""
+"""docs/clients.md and README.md's "Use it", run: every command and snippet against a real
+`linstream serve` of the shipped models (the docs' outputs come from them), or held to what it
+needs where the test extra leaves its tool out (NEEDS; the doc's block says so). `pip install`
+lines name the project's declared dependencies; the README's set-up is what .ci/run runs.
+lm-eval and guidellm's lines are also checked against what they need (read off the tools'
+packaging once): lm-eval's API models need its [api] extra and transformers; guidellm's torch
+pulled from the CUDA index unless the CPU build is installed first (the version this checkout
+runs); guidellm's reports kept out of the checkout."""
+import contextlib
+import io
+import json
+import math
+import os
 import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
 
+import httpx
+import pytest
 import torch
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, ServerProcess
 
 DOC = (ROOT / "docs" / "clients.md").read_text()
 
@@ -31,3 +46,178 @@ def test_the_lm_eval_task_points_at_a_section_that_exists():
     task = (ROOT / "benchmarks" / "peers" / "lm_eval_task" / "local_text.yaml").read_text()
     doc, title = re.search(r'see (docs/\S+\.md), "([^"]+)"', task).groups()
     assert f"\n## {title}\n" in (ROOT / doc).read_text()
+
+
+# --- Every command in docs/clients.md and README.md's "Use it", run against a real server ---
+# The docs address a server at 127.0.0.1:8766 or localhost:8000 (the default port); the test
+# serves the shipped models the docs' outputs come from on a free port, writes its address in
+# their place and sets LINSTREAM_URL for the CLI's commands. `sess_...` (or a literal id) in a
+# curl line stands for the id the block's first command returned.
+ADDRESS = re.compile(r"(?:localhost|127\.0\.0\.1):(?:8000|8766)")
+SESSION_ID = re.compile(r"sess_(?:\.\.\.|[\w-]+)")
+README = (ROOT / "README.md").read_text()
+USE_IT = README.split("\n## Use it\n", 1)[1].split("\n## ", 1)[0]
+SET_UP = README.split("\n## Set up\n", 1)[1].split("\n## ", 1)[0]
+
+# Commands run here in a shorter form than written, and why.
+SHORTENED = {
+    "linstream loadtest": ("--duration 0.5", "three levels of 20 s each"),
+    "linstream bench latency": ("--contexts 128 --tokens 8", "contexts to 32 K tokens, softmax's quadratic prefill"),
+}
+# Commands that need a package the test extra leaves out: run only where it is installed, and
+# the doc's block says so in a "needs:" note naming the extra.
+NEEDS = {"lm_eval": "lm-eval[api]", "guidellm": "guidellm"}
+
+
+def blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, re.S)
+
+
+def commands(text: str) -> list[str]:
+    """The shell commands of `text`'s bash blocks, continuation lines joined, comments left out."""
+    lines = "\n".join(blocks(text, "bash")).replace("\\\n", " ").splitlines()
+    return [re.sub(r"\s+# .*", "", ln).strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def kind(cmd: str) -> str:
+    for prefix, name in (("curl ", "curl"), ("linstream ", "cli"), ("pip install ", "pip"),
+                         ("out=$(mktemp -d)", "guidellm"), ("ls $out", "guidellm")):
+        if cmd.startswith(prefix):
+            return name
+    return next((tool for tool in NEEDS if f"{tool} " in cmd), "unknown")
+
+
+def test_every_command_is_run_or_marked():
+    cmds = commands(DOC) + commands(USE_IT)
+    assert [c for c in cmds if kind(c) == "unknown"] == []  # a new kind of command needs a way to run here
+    for tool, name in NEEDS.items():
+        block = next(b for b in DOC.split("\n## ")[1:] if any(tool in c for c in commands(b)))
+        assert "needs:" in block.lower() and f"`{name}`" in block and "interop" in block
+
+
+def test_pip_install_names_are_the_projects_dependencies():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.match(r"[\w.-]+(\[[^\]]*\])?", r).group(0)
+                for r in meta["dependencies"] + sum(meta["optional-dependencies"].values(), [])}
+    for cmd in (c for c in commands(DOC) if kind(c) == "pip"):
+        names = [a.strip('"') for a in cmd.split()[2:] if not a.startswith(("-", "https:"))]
+        assert names and all(n.split("==")[0] in declared for n in names), cmd
+
+
+def test_the_readmes_set_up_is_what_ci_runs():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    install, tests = blocks(SET_UP, "bash")
+    assert install.strip().removesuffix(" && linstream serve") in ci
+    assert all(line in ci for line in tests.strip().splitlines())
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The docs' server, `--store memory -m linear` (and softmax, which `bench latency` names),
+    stepping eagerly so that no background build takes the CPU."""
+    srv = ServerProcess(["linear", "softmax"], None, "--store", "memory", "--compile", "off")
+    yield srv
+    srv.stop()
+
+
+def shell_all(cmds: list[str], url: str, cwd: Path, stdin: str = "") -> list[str]:
+    """What each of `cmds` prints (stdout, then stderr), run in bash at once (each start is mostly
+    Python's imports)."""
+    procs = [subprocess.Popen(["bash", "-c", ADDRESS.sub(url.removeprefix("http://"), cmd)], cwd=cwd, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "LINSTREAM_URL": url}) for cmd in cmds]
+    outs = [p.communicate(stdin, timeout=60) for p in procs]
+    for cmd, p, (out, err) in zip(cmds, procs, outs):
+        assert p.returncode == 0, (cmd, out, err)
+    return [out + err for out, err in outs]
+
+
+def shell(cmd: str, url: str, cwd: Path, stdin: str = "") -> str:
+    return shell_all([cmd], url, cwd, stdin)[0]
+
+
+def test_the_cli_commands(served, tmp_path):
+    cmds = [c for c in dict.fromkeys(commands(DOC) + commands(USE_IT))
+            if kind(c) == "cli" and not c.startswith(tuple(SHORTENED))]  # those: test_the_cli_benchmarks
+    assert len(cmds) == 2, cmds
+    for cmd, out in zip(cmds, shell_all(cmds, served.url, tmp_path, stdin="But soft\n/history\n/quit\n")):
+        if cmd.startswith("linstream generate"):
+            assert out.startswith("ROMEO:") and re.search(r"\[\d+ tokens, ttft", out), out  # may end at once: <|end|>
+        else:
+            assert "commands: /undo" in out and "But soft" in out, out  # /history shows the line sent
+
+
+@pytest.mark.slow  # three loadtest levels and a latency sweep, each writing a plot
+def test_the_cli_benchmarks(served, tmp_path):
+    cmds = [c for c in commands(DOC) if c.startswith(tuple(SHORTENED))]
+    assert len(cmds) == 2, cmds
+    shell_all([re.sub(r" --duration \S+", "", c) + " " + next(v[0] for k, v in SHORTENED.items() if c.startswith(k))
+               for c in cmds], served.url, tmp_path)
+    assert len(list(tmp_path.glob("*/*.json"))) == 2  # each command's report, in a folder of its own
+
+
+def test_the_curl_commands(served, tmp_path):
+    for text in (section("curl"), USE_IT, section("vLLM- and llama.cpp-style tools")):
+        cmds, sid = [c for c in commands(text) if kind(c) == "curl"], None
+        for cmd in cmds:
+            out = shell(SESSION_ID.sub(sid, cmd) if sid else cmd, served.url, tmp_path)
+            if "/generate" in cmd:
+                assert "\nevent: token\n" in out and "\nevent: done\n" in out and out.rstrip().endswith("data: [DONE]")
+            elif "/tokenize" in cmd:
+                assert "# -> " + out.strip() in text  # the tokenizer's output, as shown
+            else:
+                reply = json.loads(out)
+                sid = sid or reply["id"]
+                assert reply["id"].startswith("sess_") and reply["model"] == "linear"
+
+
+def run_python(text: str, url: str) -> str:
+    """`text`'s python blocks, one after another in one namespace; what they print."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(ADDRESS.sub(url.removeprefix("http://"), "\n".join(blocks(text, "python"))), {})
+    return out.getvalue()
+
+
+def test_the_python_sdk_blocks(served):
+    for text in (section("Python SDK"), USE_IT.split("From Python")[1].split("With curl")[0]):
+        out = run_python(text, served.url)
+        assert "'ttft_ms'" in out and "per_token_ms" in out, out
+
+
+def test_the_openai_sdk_blocks(served):
+    out = run_python(section("The `openai` SDK"), served.url)
+    assert re.search(r"\S.*\[\(0, .*\), \(3, .*\)\]\n", out), out  # a streamed text, then four choices
+    assert int(out.rsplit(" ", 1)[1]) > 0, out  # the cached tokens: r1's conversation
+    assert run_python(USE_IT.split("With OpenAI clients")[1], served.url)
+
+
+def test_the_langchain_block(served):
+    shown = re.search(r"# -> (.*)", section("LangChain")).group(1)
+    assert run_python(section("LangChain"), served.url).strip() == shown  # greedy: the doc's output
+
+
+def test_the_echo_figure_the_lm_eval_section_quotes(served):
+    """bits/byte of the task's file through the echo API, as the lm-eval section quotes it (lm-eval
+    itself, where installed: test_lm_eval.py and test_the_lm_eval_and_guidellm_blocks)."""
+    from transformers import AutoTokenizer
+    text = (ROOT / "benchmarks/peers/lm_eval_task/sample.txt").read_text()
+    bos = AutoTokenizer.from_pretrained(str(ROOT / "model/weights")).bos_token_id
+    ids = httpx.post(served.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": [bos] + ids, "max_tokens": 0, "echo": True,
+                                                         "logprobs": 0}).json()
+    bpb = -sum(r["choices"][0]["logprobs"]["token_logprobs"][1:]) / math.log(2) / len(text.encode())
+    quoted = section("lm-eval")
+    assert f"({bpb:.5f} bits/byte" in quoted and f"over its {len(text.encode())} bytes" in quoted
+    assert re.search(rf"bits_per_byte\s*\|↓\s*\|\s*{bpb:.4f}\|", quoted)
+
+
+@pytest.mark.slow  # the tools' imports and runs take several seconds
+@pytest.mark.parametrize("tool", NEEDS)
+def test_the_lm_eval_and_guidellm_blocks(served, tool):
+    if shutil.which(tool) is None:
+        pytest.skip(f"{tool} is not installed (the interop extra)")
+    text = section({"lm_eval": "lm-eval", "guidellm": "guidellm"}[tool])
+    block = next(b for b in blocks(text, "bash") if tool in b)
+    out = shell("set -e\n" + block.replace("count=5", "count=2"), served.url, ROOT)
+    assert ("bits_per_byte" in out) if tool == "lm_eval" else ("benchmarks.json" in out), out
