@@ -41,7 +41,9 @@ def messages(n: int) -> list[str]:
 
 
 async def run(model: str, n: int, max_tokens: int, at_once: int) -> dict:
-    app = create_app(Settings(models=[model], compile="off"))
+    # every request in flight holds a KV cache of its own on softmax and hybrid (4 by default), and
+    # none is kept in the prefix cache: each request starts from its own prompt
+    app = create_app(Settings(models=[model], compile="off", max_kv_sessions=at_once, prefix_cache_bytes=0))
     gate = asyncio.Semaphore(at_once)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=600) as c:
