@@ -86,8 +86,8 @@ robustness() {  # faults, fuzzing, hostile requests, long load
   python -m benchmarks.robustness.faults --concurrency 256 --duration 30 --signal kill  # robustness/faults_kill.json
   python -m benchmarks.robustness.fuzz_api --examples 100                               # robustness/fuzz_api.json
   python -m benchmarks.robustness.hostile_stall --phase-s 5                             # robustness/hostile_stall.json
-  python -m benchmarks.robustness.hostile_stall --phase-s 5 --only quiet,n16_sampled_4096,prompts128_best_of2,n16_echo_22801_prompt,n16_hangup_after_3s,quiet_after \
-      --out benchmarks/results/robustness/hostile_stall_heavy.json                      # single heavy requests
+  python -m benchmarks.robustness.hostile_stall --phase-s 5 --only quiet,n16_sampled_4096,prompts128_best_of2,n16_echo_22801_prompt,n16_hangup_after_3s,streams54,quiet_after \
+      --out benchmarks/results/robustness/hostile_stall_heavy.json                      # single heavy requests, 54 streams of one key
 }
 
 # results/flames/: py-spy flame graphs of a server under load, recorded by hand; the commands are

@@ -147,6 +147,8 @@ def serve(
     if replicas is not None:
         from linstream.cluster import serve_cluster
         raise SystemExit(serve_cluster(replicas, given, log_level, allocator))
+    import gc
+
     import uvicorn
     from pydantic import ValidationError
     from pydantic_settings.exceptions import SettingsError
@@ -170,6 +172,11 @@ def serve(
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if not self.should_exit:
+                # what is made by now (the imports' modules and classes, the models) lives as long
+                # as the process: frozen out of the collector's sight, so that a full collection,
+                # which holds the GIL and so stalls every stream, walks only what requests make
+                gc.collect()
+                gc.freeze()
                 typer.echo(banner(app.state.runtime, settings))
 
         def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: streams run on, then end cleanly

@@ -6,9 +6,10 @@ the machine's drift). Each hostile phase follows its twin, the benign request of
 (endpoint, size, kind of work), and its p99 gap is given as a ratio to the first quiet phase's and
 to the twin's (goal: within 1.5x). A request that outlasts a phase (a 65,536-token prefill, 16
 completions of 4,096 tokens) stretches its phase to its end. The last phases are single legal
-requests that take much of the engine (many choices, many prompts, a long prompt prefilled per
-choice, a client that hangs up): there the goal is B's p99 gap within 3x the quiet one and no gap
-over 250 ms. Meanwhile key B also sends a short completion every --probe-s seconds; a phase
+requests that take much of the engine (many choices, many prompts, a long prompt echoed with
+logprobs to 16 choices, a client that hangs up): there the goal is B's p99 gap within 3x the quiet
+one and no gap over 250 ms; beside 54 streams of key A at once (the last), B's median gap within
+3x the quiet one. Meanwhile key B also sends a short completion every --probe-s seconds; a phase
 reports how many of them failed (goal: none) and their slowest answer. Writes JSON (--out).
 
     python -m benchmarks.robustness.hostile_stall --phase-s 5
@@ -24,6 +25,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -89,6 +91,16 @@ def streamed(c: httpx.Client, path: str, body: dict):
     return send
 
 
+def crowd(c: httpx.Client, path: str, body: dict, count: int):
+    """`count` streamed requests at once, each read to its end; -> their statuses."""
+    one = streamed(c, path, body)
+
+    def send():
+        with ThreadPoolExecutor(count) as pool:
+            return ",".join(sorted(set(map(str, pool.map(lambda _: one(), range(count))))))
+    return send
+
+
 def heavy(c: httpx.Client) -> list[tuple]:
     """Single legal requests that take much of the engine, each its own phase."""
     names = ["ROMEO", "JULIET", "KING", "NURSE", "HAMLET", "OPHELIA", "LEAR", "CORDELIA"]
@@ -102,6 +114,8 @@ def heavy(c: httpx.Client) -> list[tuple]:
             "prompt": [11, 12, 13, 14] * 5700 + [15], "n": 16, "max_tokens": 1, "echo": True, "logprobs": 1})),
         ("n16_hangup_after_3s", None, hang_up(c, "/v1/completions", {"prompt": "ROMEO:", "n": 16, "max_tokens": 4096,
                                                                        "temperature": 1.0, "seed": 1}, 3.0)),
+        ("streams54", None, crowd(c, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 512, "temperature": 1.0,
+                                                          "seed": 1}, 54)),
     ]
 
 

@@ -354,7 +354,11 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
     async def start(k: int, prompts=prompts):  # run k: choice k % best of prompt k // best
         if k and not req.stream:
             await _gone(request)
-        return await _run(rt, req, owner, prompts[k // best], want if req.echo else None, lp, k % best, constraint=wanted)
+        # only a prompt's first choice prefills it with logprobs; the others start from the state
+        # it cached and share its echo (echo_of): n such prefills held the engine n times as
+        # long, and their per-token entries were n times the objects the collector walks
+        echo = want if req.echo and k % best == 0 else None
+        return await _run(rt, req, owner, prompts[k // best], echo, lp, k % best, constraint=wanted)
 
     first = await start(0)
     choices = Choices(start, first, len(prompts) * best, best, _at_once(rt, first, len(prompts) * best))
@@ -396,7 +400,7 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
         if best > n:  # the n most likely, by the summed logprob of their tokens
             cands.sort(key=lambda c: -sum(x[0] for x in c[1].get("logprobs", [])))
         for j, (run, done) in enumerate(cands[:n]):
-            prefix, echoed_lps = echo_of(pi * best, run)
+            prefix, echoed_lps = echo_of(pi * best, bodies[pi * best][0])  # the run that echoed
             lps = None
             if want is not None:
                 ends = echoed_lps["text_offset"][-1] + len(echoed_lps["tokens"][-1]) if echoed_lps and \

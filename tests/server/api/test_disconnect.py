@@ -91,13 +91,13 @@ def test_a_stream_stops_when_its_client_leaves(c, server):
 
 
 def test_a_long_prompt_stops_prefilling_when_its_client_leaves(c, server):
-    """n choices of a prompt echoed with logprobs each prefill it whole (no reuse): the first
-    before the stream's first event, the others after it. Hanging up after the first event
-    stops the others' prefills (prompt tokens are counted once a prefill is whole)."""
-    prompt = [7, 8, 9, 10] * 500
+    """Eight long prompts with no prefix in common are each prefilled whole: the first before the
+    stream's first event, the others after it. Hanging up after the first event stops the others'
+    prefills (prompt tokens are counted once a prefill is whole)."""
+    prompts = [[i] + [7, 8, 9, 10] * 500 for i in range(1, 9)]
+    prompt = prompts[0]
     before = counter(c, "linstream_prompt_tokens")
-    hang_up(server, "/v1/completions", {"prompt": prompt, "n": 8, "max_tokens": 1, "echo": True, "logprobs": 1,
-                                        "stream": True}, until=b"data: ")
+    hang_up(server, "/v1/completions", {"prompt": prompts, "max_tokens": 1, "stream": True}, until=b"data: ")
     assert stopped(c, "linstream_prompt_tokens", before) <= 2 * len(prompt)
     before = counter(c, "linstream_prompt_tokens")
     hang_up(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "stream": True}, after=0.2)  # in the first

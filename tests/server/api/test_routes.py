@@ -260,6 +260,24 @@ async def test_openai_completion_echo_logprobs(client):
     assert len(lp["tokens"]) == 3 and all(len(t) == 2 for t in lp["top_logprobs"])
 
 
+async def test_openai_choices_share_one_echo(client):
+    """Choices of one prompt echoed with logprobs: only the first prefills the prompt with
+    logprobs (the others start from the state it cached), and every choice, the ones best_of
+    ranks first included, carries that echo."""
+    def prompt_tokens(text: str) -> float:
+        return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith("linstream_prompt_tokens_total"))
+    before = prompt_tokens((await client.get("/metrics")).text)
+    r = await client.post("/v1/completions", json={"prompt": "To be, or not to be", "n": 2, "best_of": 3, "max_tokens": 2,
+                                                   "echo": True, "logprobs": 1, "temperature": 1.0, "seed": 3})
+    choices = r.json()["choices"]
+    k = len(choices[0]["logprobs"]["tokens"]) - 2  # the prompt's tokens
+    assert len(choices) == 2 and k > 0 and r.json()["usage"]["prompt_tokens"] == k
+    for c in choices:
+        assert c["text"].startswith("To be, or not to be")
+        assert {x: c["logprobs"][x][:k] for x in c["logprobs"]} == {x: choices[0]["logprobs"][x][:k] for x in c["logprobs"]}
+    assert prompt_tokens((await client.get("/metrics")).text) - before == k
+
+
 async def test_openai_session_continuation(client):
     s = await new(client)
     r = await client.post("/v1/completions", json={"prompt": " and", "max_tokens": 3, "session_id": s["id"]})
