@@ -14,6 +14,8 @@ one thread, a disk store.
 
     python -m benchmarks.serving.client_state                       # all three, a few minutes on 2 cores
     python -m benchmarks.serving.client_state --parts chat --replicas 2
+    python -m benchmarks.serving.client_state --model ~/.cache/linstream/big-checkpoints/mamba-1.4b \
+        --weights int8 --parts rewind --history 1024 --distances 0 128 255 --reps 2 --budget-mib 160
 """
 from __future__ import annotations
 
@@ -147,15 +149,20 @@ def main():
     ap.add_argument("--reps", type=int, default=15, help="turns (rewinds) timed at each depth (distance)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[255, 256, 1024, 4096, 16384])
     ap.add_argument("--compile", default="off", choices=["auto", "off"], help="the server's decode step")
+    ap.add_argument("--model", default="linear", help="a shipped model's name or a checkpoint directory")
+    ap.add_argument("--weights", default="auto", help="the served weight format (`linstream serve --weights`)")
+    ap.add_argument("--budget-mib", type=int, default=8, help="checkpoint_bytes: a session's checkpoints in MiB")
     ap.add_argument("--out", default="benchmarks/results/serving/client_state.json")
     a = ap.parse_args()
-    budget = 8 << 20
-    res = {"machine": f"{os.cpu_count()} CPU cores, --threads 1", "command": command(), "model": "linear",
-           "answer_tokens": ANSWER, "message_tokens": a.tokens, "compile": a.compile}
-    args = ["--compile", a.compile, "--prefix-cache-bytes", "0"]
+    if a.model != "linear" and "chat" in a.parts:
+        ap.error("the chat part speaks to the shipped `linear` model: with --model, ask for --parts rewind memory")
+    budget = a.budget_mib << 20
+    res = {"machine": f"{os.cpu_count()} CPU cores, --threads 1", "command": command(), "model": a.model,
+           "weights": a.weights, "answer_tokens": ANSWER, "message_tokens": a.tokens, "compile": a.compile}
+    args = ["--compile", a.compile, "--prefix-cache-bytes", "0", "--weights", a.weights]
     env = {"LINSTREAM_CHECKPOINT_EVERY": str(a.every), "LINSTREAM_CHECKPOINT_BYTES": str(budget)}
     with tempfile.TemporaryDirectory() as store:
-        with served(["linear"], "--store", f"disk:{store}", *args, env=env) as srv:
+        with served([a.model], "--store", f"disk:{store}", *args, env=env, start_s=900) as srv:
             if "chat" in a.parts:
                 res["chat"] = chat(srv.url, a.turns, a.reps, a.tokens, a.hows)
             if "rewind" in a.parts:
