@@ -90,11 +90,14 @@ def test_a_constrained_row_follows_its_grammar_and_ends_where_it_is_complete(mod
 
 
 def test_a_grammar_that_fails_ends_only_its_own_job(model, alone):
-    out = asyncio.run(run(model, EvenTokens(fails=3)))
+    m = EvenTokens(fails=3)
+    out = asyncio.run(run(model, m))
     assert out[:-1] == alone
     toks, finish, error = out[-1]
     assert finish == "error" and "constrained decoding failed: injected" in error
-    assert len(toks) == 3 and all(t % 2 == 0 for t in toks)
+    # the grammar took 3 tokens; the third may still be on its way to the client when the failure
+    # ends the job, and then it is rolled back and not handed over: the client has what the state covers
+    assert m.taken[:len(toks)] == toks and len(toks) in (2, 3) and all(t % 2 == 0 for t in toks)
 
 
 def test_a_grammar_complete_before_any_token_ends_at_once(model):
