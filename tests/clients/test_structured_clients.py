@@ -132,5 +132,7 @@ def test_a_pathological_schema_is_refused_in_bounded_time_while_a_stream_flows(s
     assert len(arrivals) == 400
     assert during, "tokens kept arriving while the schema was compiling"
     gaps = [b - a for a, b in itertools.pairwise(arrivals) if t0 < b < t1 + 2]
-    assert max(gaps) < 1.0, "no stall while the abandoned compile runs on"
+    # a stream blocked by the compile would wait for all of it (about 3 s on a quiet core, longer on
+    # a busy one); a gap under 2 s leaves room for the other test worker on these two cores
+    assert max(gaps) < 2.0, "no stall while the abandoned compile runs on"
     assert json.loads(httpx.get(server.url + "/healthz").text) is not None
