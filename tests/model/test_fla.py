@@ -228,7 +228,7 @@ async def test_served_with_sessions_fork_and_restore():
 
 @pytest.mark.slow
 @torch.no_grad()
-@pytest.mark.parametrize("name", ["rwkv7-options", pytest.param("rwkv6-options", marks=pytest.mark.matrix)])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.matrix) for n in ("rwkv7-options", "rwkv6-options")])
 def test_rwkv_compiled_step_equals_eager(name, compiled):
     """The compiled decode step (model/compiled/), as the server builds it (ahead of time, our
     matmul where it builds here), through RWKV-7's block-to-block carry and RWKV-6's per-mix
