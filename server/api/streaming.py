@@ -8,6 +8,7 @@ from collections.abc import Callable
 import orjson
 from sse_starlette.sse import EventSourceResponse, SendTimeoutError
 
+from ..core.errors import APIError
 from ..core.settings import Settings
 from ..runtime.stream import Stream, events
 
@@ -106,3 +107,14 @@ async def collect(st: Stream) -> dict:
         if (done := body.add(kind, ev)) is not None:
             return done
     raise RuntimeError("generation ended without a done event")
+
+
+def state_field(st: Stream) -> dict:
+    """An answer's `state` field when its request asked for `return_state` ({} when it did not);
+    a state that could not be kept is raised as its refusal."""
+    hand = st.hand_back
+    if hand is None:
+        return {}
+    if isinstance(hand.result, APIError):
+        raise hand.result
+    return {"state": hand.result}

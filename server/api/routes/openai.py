@@ -31,7 +31,7 @@ from ..openai_schemas import (MAX_RUNS, PLAIN_TRANSCRIPT, Chat, ChatCompletion, 
                               OpenAISampling, TextCompletion, chat_prompt, unsupported)
 from ..schemas import answers, streamed
 from .. import chat_turns
-from ..streaming import DONE_FRAME, Gathered, Stream, data_frame, events, sse_response
+from ..streaming import DONE_FRAME, Gathered, Stream, data_frame, events, sse_response, state_field
 from ..structured import Calls, check, constraint, tool_plan
 from .deps import RT, json_body
 
@@ -98,16 +98,6 @@ def _runs(req: OpenAISampling, count: int) -> None:
         refuse_one("return_state", count, req.session_id)
     if req.state is not None:
         refuse_one("state", 1, req.session_id)
-
-
-def _state_of(first: Run) -> dict:
-    """The answer's `state` field when `return_state` asked for it (a refusal raised instead)."""
-    hand = first.stream.hand_back
-    if hand is None:
-        return {}
-    if isinstance(hand.result, APIError):
-        raise hand.result
-    return {"state": hand.result}
 
 
 def _at_once(rt: Runtime, first: Run, count: int) -> int:
@@ -280,7 +270,7 @@ def _streamed(rt: Runtime, req: OpenAISampling, base: dict, choices: Choices, re
             yield data_frame({**base, "choices": [], "usage": _usage(prompt, completion)})
         if not failed and req.return_state:  # the state after the last token, in the last event
             try:
-                yield data_frame({**base, "choices": [], **_state_of(choices.runs[0])})
+                yield data_frame({**base, "choices": [], **state_field(choices.runs[0].stream)})
             except APIError as e:
                 yield data_frame(body(e.type, e.message, e.param, e.code))
         yield DONE_FRAME
@@ -411,7 +401,7 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
             out.append({"index": pi * n + j, "text": prefix + done["text"], "finish_reason": _finish(done),
                         "logprobs": lps})
     return json_body({**base, "choices": out, "usage": _usage(prompt_tokens, completion_tokens),
-                      **({"session_id": first.session.id} if not first.temp else {}), **_state_of(first)})
+                      **({"session_id": first.session.id} if not first.temp else {}), **state_field(first.stream)})
 
 
 def _chat_logprobs(tok, entries) -> dict:
@@ -481,7 +471,7 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
         out.append({"index": k, "message": message, "finish_reason": finish, "logprobs": lps})
         usage = _usage(done["usage"]["prompt_tokens"], usage["completion_tokens"] + done["usage"]["completion_tokens"])
     return json_body({**base, "object": "chat.completion", "choices": out, "usage": usage,
-                      **({"session_id": first.session.id} if not first.temp else {}), **_state_of(first)})
+                      **({"session_id": first.session.id} if not first.temp else {}), **state_field(first.stream)})
 
 
 def _complete(st: Stream) -> bool:

@@ -39,7 +39,7 @@ from ..openai_schemas import PLAIN_TRANSCRIPT, chat_prompt
 from ..responses_schemas import (CreateResponse, ResponseDeleted, ResponseObject, as_chat, messages, responses_param,
                                  unsupported)
 from ..schemas import answers, streamed
-from ..streaming import collect, events, sse_response
+from ..streaming import collect, events, sse_response, state_field
 from ..structured import Calls, Tools, check, constraint, tool_plan
 from .deps import RT, json_body
 
@@ -181,22 +181,11 @@ async def create(req: CreateResponse, rt: RT, owner: Owner, request: Request):
             raise APIError(error_status(done["error"]), done["error"]["type"], done["error"]["message"],
                            param=done["error"].get("param"))
         out = draft.finished(done, done["text"], turn.cached)
-        state = _state_of(turn)  # (a state that could not be kept: refused before the response is)
+        state = state_field(turn.stream)  # (a state that could not be kept: refused before the response is)
         await turn.keep(draft.id, owner, out)
     finally:
         turn.ended()
     return json_body({**out, **state})
-
-
-def _state_of(turn: responses.Turn) -> dict:
-    """The response's `state` field when `return_state` asked for it (a refusal raised instead);
-    the stored response does not keep it."""
-    hand = turn.stream.hand_back
-    if hand is None:
-        return {}
-    if isinstance(hand.result, APIError):
-        raise hand.result
-    return {"state": hand.result}
 
 
 async def _unless_gone(work: Awaitable[T], request: Request) -> T:
@@ -254,7 +243,7 @@ async def _events(draft: Draft, turn: responses.Turn, owner: str):
         full = "".join(text)
         out = draft.finished(ev, full, turn.cached, calls)
         try:
-            state = _state_of(turn)
+            state = state_field(turn.stream)
         except APIError as e:
             yield event("error", code=e.type, message=e.message, param=e.param)
             return
