@@ -19,13 +19,16 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, TypeVar, cast
 
 from .store import StoreUnavailable
 
 if TYPE_CHECKING:  # imported where used: only a server on Redis has leases, the others never import it
     import httpx
 
+    from ..core.metrics import Metrics
+
+T = TypeVar("T")
 log = logging.getLogger("linstream")
 
 RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
@@ -45,7 +48,7 @@ class Leases:
     """Redis calls that cannot reach Redis raise StoreUnavailable, like the store's."""
 
     def __init__(self, url: str, ttl: float, name: str = "", own_url: str = "", alive_s: float = 3.0,
-                 metrics=None):
+                 metrics: Metrics | None = None):
         import redis.asyncio as redis
         from redis.exceptions import ConnectionError, TimeoutError
         self.url = url
@@ -60,7 +63,7 @@ class Leases:
         self._beat: threading.Thread | None = None
         self._stop = threading.Event()
 
-    async def _do(self, op):
+    async def _do(self, op: Awaitable[T]) -> T:
         try:
             return await op
         except self.errors as e:
@@ -100,10 +103,11 @@ class Leases:
         key = f"linstream:lease/{sid}"
         if await self.r.set(key, self.me, nx=True, px=self.ttl_ms):
             return None
-        holder = await self.r.get(key)
-        if holder is None:  # expired between the two calls
+        # redis-py types a value as bytes or str (str under decode_responses, which this client does not set)
+        got = cast(bytes | None, await self.r.get(key))
+        if got is None:  # expired between the two calls
             return await self._acquire(sid)
-        holder = holder.decode()
+        holder = got.decode()
         if holder == self.me:
             await self.r.pexpire(key, self.ttl_ms)
             return None
@@ -118,7 +122,7 @@ class Leases:
         """Is the replica `holder` surely gone (see the module doc)?"""
         if "#" not in holder:  # a replica of a release without registrations: its lease expires instead
             return False
-        url = await self.r.get(f"linstream:replica/{holder}")
+        url = cast(bytes | None, await self.r.get(f"linstream:replica/{holder}"))  # bytes: as in _acquire
         if url is None:
             return True
         if self.http is None:

@@ -38,11 +38,19 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from linstream.model.state import State
+
+if TYPE_CHECKING:
+    from linstream.model.tokenizer import Tokenizer
+
+    from ..core.metrics import Metrics
+    from .prefix_tier import PrefixTier
 
 
 @dataclass
@@ -57,7 +65,7 @@ class _Entry:
 
 
 class PrefixCache:
-    def __init__(self, budget: int, metrics=None):
+    def __init__(self, budget: int, metrics: Metrics | None = None):
         self.budget = budget  # bytes; 0 turns the cache off
         self.metrics = metrics
         self.entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
@@ -65,12 +73,12 @@ class PrefixCache:
         self.texts: dict[bytes, bytes] = {}  # text key -> entry key
         self.text_lengths: dict[tuple[str, str], Counter[int]] = {}  # UTF-8 lengths of the texts held
         self.nbytes = 0
-        self.held = Counter(), Counter()  # bytes and entries per model (the gauges)
+        self.held: tuple[Counter[str], Counter[str]] = Counter(), Counter()  # bytes and entries per model (the gauges)
         self.hits = self.misses = self.saved = self.evictions = 0
-        self.tier = None  # a PrefixTier (prefix_tier.py): every entry kept is written there too
+        self.tier: PrefixTier | None = None  # a PrefixTier (prefix_tier.py): every entry kept is written there too
 
     @staticmethod
-    def _keys(model: str, scope: str, ids: list[int], lengths) -> list[tuple[int, bytes]]:
+    def _keys(model: str, scope: str, ids: list[int], lengths: Iterable[int]) -> list[tuple[int, bytes]]:
         """(n, key of ids[:n]) for each n in lengths, one hash walked over ids."""
         return _walk(f"{model}\0{scope}\0", np.asarray(ids, dtype=np.int32).tobytes(), 4, lengths)
 
@@ -81,7 +89,7 @@ class PrefixCache:
         cands = [n for n in held if n < len(text) and chr(text[n]).isalpha() and text[n] < 128]
         for n, key in reversed(_walk(f"{model}\0{scope}\0text\0", text, 1, cands)):
             e = self.entries.get(self.texts.get(key, b""))
-            if e is not None:
+            if e is not None and e.ids is not None:  # an entry found by its text holds its ids
                 self.entries.move_to_end(self.texts[key])
                 return n, e.ids.tolist()
         return 0, []
@@ -165,7 +173,7 @@ class PrefixCache:
 NEXT_MESSAGE = "U"
 
 
-def _walk(prefix: str, data: bytes, unit: int, lengths) -> list[tuple[int, bytes]]:
+def _walk(prefix: str, data: bytes, unit: int, lengths: Iterable[int]) -> list[tuple[int, bytes]]:
     """(n, sha256 of prefix + data[:n * unit]) for each n in lengths, one hash walked over data."""
     h = hashlib.sha256(prefix.encode())
     out, done = [], 0
@@ -176,7 +184,7 @@ def _walk(prefix: str, data: bytes, unit: int, lengths) -> list[tuple[int, bytes
     return out
 
 
-def _count(counts: dict, where, n: int, by: int) -> None:
+def _count(counts: dict[tuple[str, str], Counter[int]], where: tuple[str, str], n: int, by: int) -> None:
     held = counts.setdefault(where, Counter())
     held[n] += by
     if not held[n]:
@@ -202,7 +210,7 @@ def as_resent(text: str, stops: list[str]) -> str:
     return text[:min(cut)] if cut else text
 
 
-def splits_at_newlines(tok) -> bool:
+def splits_at_newlines(tok: Tokenizer) -> bool:
     """Does this tokenizer provably split a text after a newline that follows a non-space and
     before the non-space that comes next (or after a run of newlines before a letter), so that
     the ids of the whole are the ids of either side tokenized alone? So it is for byte-level BPE

@@ -71,7 +71,7 @@ class PrefixReuse:
         if s.id not in self.turns:
             return
         turn = self.turns[s.id]
-        turn.state = await eng.call(lambda: eng.read(s.slot))
+        turn.state = await eng.call(lambda: eng.read(s.resident_slot))
         self.prefixes.insert(s.model, turn.scope, s.tokens, turn.state)
 
     async def cache_turn(self, s: Session, eng: Engine, job: Job) -> None:
@@ -85,7 +85,7 @@ class PrefixReuse:
         continued; the next request, if any, prefills that part with its prompt instead."""
         turn = self.turns.pop(s.id)
         try:
-            end = await eng.call(lambda: eng.read(s.slot))
+            end = await eng.call(lambda: eng.read(s.resident_slot))
             self.prefixes.insert(s.model, turn.scope, s.tokens, end)
             made = s.tokens[len(turn.prompt):]
             text = as_resent(eng.tok.decode(made), job.params.stop if job.finish == "stop" else [])
@@ -108,9 +108,11 @@ class PrefixReuse:
                 tail = tail[:-1]
             if len(tail) <= len(made) or tail[:len(made)] != made or not s.ephemeral:
                 return
-            pushed = await eng.prefill(s.slot, tail[len(made):], read=True, owner=s.owner)
-            sure = exact and probe and turn.text is not None and splits_between(turn.text, text)
-            resent = (turn.text + text + turn.follow).encode() if sure else None
+            pushed = await eng.prefill(s.resident_slot, tail[len(made):], read=True, owner=s.owner)
+            assert pushed.state is not None  # read=True
+            resent = None
+            if exact and probe and turn.text is not None and splits_between(turn.text, text):
+                resent = (turn.text + text + turn.follow).encode()
             self.prefixes.insert(s.model, turn.scope, turn.prompt + tail, pushed.state, resent)
         except Exception:  # a state not cached costs the next request time, never its answer
             log.exception("session %s: caching its prefix states failed", s.id)

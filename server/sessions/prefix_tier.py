@@ -26,9 +26,16 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from linstream.model.snapshot import SnapshotError, state_from_bytes, state_to_bytes
 from linstream.model.state import State
+
+if TYPE_CHECKING:
+    from ..core.metrics import Metrics
+    from ..engine.engine import Engine
+    from .prefix_cache import PrefixCache
 
 log = logging.getLogger("linstream")
 
@@ -82,14 +89,14 @@ return nil
 
 
 class PrefixTier:
-    def __init__(self, url: str, budget: int, ttl: float, engines: dict, metrics=None):
+    def __init__(self, url: str, budget: int, ttl: float, engines: dict[str, Engine], metrics: Metrics | None = None):
         import redis.asyncio as redis  # here: a server without a tier never imports the client
         from redis.exceptions import RedisError
         self.r = redis.from_url(url, socket_timeout=2, socket_connect_timeout=1)
         self.failures = (RedisError, OSError)  # Redis down or slow
         self.budget, self.ttl_ms = budget, max(1000, int(ttl * 1000))
         self.engines, self.metrics = engines, metrics  # model name -> Engine (fingerprint, empty state)
-        self.pending: set[asyncio.Task] = set()
+        self.pending: set[asyncio.Task[None]] = set()
         self.put_script, self.get_script = self.r.register_script(PUT), self.r.register_script(GET)
 
     @staticmethod
@@ -124,7 +131,8 @@ class PrefixTier:
         if self.pending:
             await asyncio.wait(list(self.pending), timeout=within)
 
-    async def lookup(self, model: str, scope: str, ids: list[int], walk, longer_than: int) -> tuple[int, State | None]:
+    async def lookup(self, model: str, scope: str, ids: list[int], walk: Callable[[list[int]], list[tuple[int, bytes]]],
+                     longer_than: int) -> tuple[int, State | None]:
         """(n, state after ids[:n]) for the longest prefix of ids held here that is longer than
         `longer_than`, else (0, None). `walk(lengths)` -> [(n, key of ids[:n])] (the local
         cache's keys)."""
@@ -170,11 +178,11 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-async def longest(prefixes, model: str, scope: str, ids: list[int]) -> tuple[int, State | None]:
+async def longest(prefixes: PrefixCache, model: str, scope: str, ids: list[int]) -> tuple[int, State | None]:
     """The longest cached prefix of ids, from this replica's cache or, when the tier holds a longer
     one, from the tier (kept in the local cache too, for the next request here)."""
     n, state = prefixes.lookup(model, scope, ids)
-    tier = getattr(prefixes, "tier", None)
+    tier = prefixes.tier
     if tier is None or not ids or n == len(ids):
         return n, state
     m, found = await tier.lookup(model, scope, ids, lambda lengths: prefixes._keys(model, scope, ids, lengths), n)

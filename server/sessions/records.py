@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from linstream.model.snapshot import (SnapshotError, SnapshotHistoryMismatch, check_history, session_from_bytes, state_from_bytes,
@@ -23,7 +24,7 @@ from .checkpoints import Checkpoints, checkpoint_key
 from .leases import Leases
 from .quotas import Quotas
 from .session import INLINE_TAIL, Session, SessionDamaged, Snapshot, decode_record, decode_tokens, encode_record
-from .store import StoreError, StoreUnavailable
+from .store import Store, StoreError, StoreUnavailable
 
 
 class Stored(NamedTuple):
@@ -36,7 +37,7 @@ class Stored(NamedTuple):
 
 
 class Records:
-    def __init__(self, store, engines: dict[str, Engine], settings: Settings, metrics: Metrics,
+    def __init__(self, store: Store, engines: dict[str, Engine], settings: Settings, metrics: Metrics,
                  leases: Leases | None):
         self.store, self.engines, self.settings, self.metrics, self.leases = store, engines, settings, metrics, leases
         self.quotas = Quotas(settings)  # per key: its sessions (Residency.new) and snapshot bytes (below)
@@ -57,7 +58,7 @@ class Records:
             meta, blob = decode_record(rec)
         except Exception as e:
             raise SessionDamaged(sid, "store_damaged", f"unreadable record ({e})") from None
-        eng = self.engines.get(meta.get("model"))
+        eng = self.engines.get(meta.get("model", ""))
         if eng is None:
             raise APIError(409, "model_not_served", f"session {sid!r} belongs to model {meta.get('model')!r}, not served here")
         try:
@@ -162,7 +163,7 @@ class Records:
             self.metrics.unpersisted.dec()
         s.dirty = False
 
-    async def forget(self, sid: str, checkpoints: list[int] = ()) -> None:
+    async def forget(self, sid: str, checkpoints: Iterable[int] = ()) -> None:
         """Delete a session's store values: the record first, so a failure between the two leaves
         a stray history and never a record without its history; then its checkpoints."""
         await self.store.delete(f"sess/{sid}")
@@ -184,14 +185,16 @@ class Records:
             rec = None
         except StoreError as e:
             raise APIError(500, "store_damaged", f"snapshot {snapshot_id!r} is damaged: {e}") from None
-        meta = decode_record(rec)[0] if rec else None
+        meta, blob = decode_record(rec) if rec else (None, b"")
         if meta is None or meta["owner"] != owner:
             raise not_found("snapshot", snapshot_id)
-        return meta, decode_record(rec)[1]
+        return meta, blob
 
 
 def _owner_of(payload: bytes | None) -> str | None:
     """The owner named by a damaged record, if its metadata can still be read."""
+    if payload is None:
+        return None
     try:
         owner = decode_record(payload)[0].get("owner")
         return owner if isinstance(owner, str) else None

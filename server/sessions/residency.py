@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
+from typing import NoReturn
 
 from linstream.model.snapshot import record_blob, state_position, state_to_bytes
 from linstream.model.state import State
@@ -82,14 +84,14 @@ class Residency:
         return s
 
     @asynccontextmanager
-    async def use(self, sid: str, owner: str, release: bool = True):
+    async def use(self, sid: str, owner: str, release: bool = True) -> AsyncIterator[Session]:
         """Exclusive use of a resident session for one request; a second one gets 409 at once.
         release=False leaves the release to whoever finishes the work (a generation)."""
         async with self.hold(await self.find(sid, owner), release) as s:
             yield s
 
     @asynccontextmanager
-    async def hold(self, s: Session, release: bool = True):
+    async def hold(self, s: Session, release: bool = True) -> AsyncIterator[Session]:
         """`use`, for a session the request has already found."""
         await self.written(s)
         if self.sessions.get(s.id) is not s:  # dropped meanwhile: the store's copy is the session now
@@ -127,7 +129,7 @@ class Residency:
     async def _refresh_if_stale(self, s: Session) -> None:
         """Another replica moved the session on: drop our copy, take its history from the store
         (the state follows in _make_resident)."""
-        if s.ephemeral or await self.leases.version(s.id) == s.version:
+        if s.ephemeral or self.leases is None or await self.leases.version(s.id) == s.version:  # (_lease: not None)
             return
         self.metrics.handovers.labels(s.model).inc()
         if s.slot is not None:
@@ -182,16 +184,16 @@ class Residency:
             if victim.unwritten:  # its state is only in its slot: written first, then chosen again
                 await self._write_back(victim)  # (a request may take it meanwhile)
                 continue
-            slot, victim.slot = victim.slot, None  # marked before any await: a new request reloads it
+            slot, victim.slot = victim.resident_slot, None  # marked before any await: a new request reloads it
             victim.state_bytes = eng.row_nbytes(slot)
             self.metrics.spills.labels(eng.name).inc()
 
-            def swap(slot=slot):  # in one engine call, so a concurrent request cannot take the freed slot
+            def swap(slot: int = slot) -> int:  # in one engine call, so a concurrent request cannot take the freed slot
                 eng.release(slot)
                 return eng.alloc(state)
             return await _slot(eng, swap)
 
-    async def new(self, eng: Engine, owner: str, state: State | None = None, tokens=(), start: int = 0,
+    async def new(self, eng: Engine, owner: str, state: State | None = None, tokens: Iterable[int] = (), start: int = 0,
                   ephemeral: bool = False, affinity: str | None = None) -> Session:
         """A session, busy, in a slot of its own (from `state`, else empty); `affinity`: the
         routing key its id starts with (session.new_session_id). 429 past the owner's quota of
@@ -269,7 +271,7 @@ class Residency:
             return
         eng = self.engines[s.model]
         if state is None:
-            state = await eng.call(lambda: eng.read(s.slot))
+            state = await eng.call(lambda: eng.read(s.resident_slot))
         nbytes, covers = state.row_nbytes(), s.history_start + len(s.tokens)
         encode = _checked_blob if finite else record_blob
         if nbytes <= INLINE_ENCODE:  # short, mostly under the GIL: a worker thread would only add its hop
@@ -278,10 +280,11 @@ class Residency:
             why, blob = await asyncio.to_thread(encode, state, eng.model.fingerprint, covers)
         if why:
             await self._refuse(s, why)
+        assert blob is not None  # no reason not to write it: encoded
         s.state_bytes = nbytes
         await self.records.write(s, blob)
 
-    async def _refuse(self, s: Session, why: str) -> None:
+    async def _refuse(self, s: Session, why: str) -> NoReturn:
         """A session whose state and history disagree (a bug): forgotten here, not written; it goes
         on from its last stored record (none, for an unwritten session on the memory store)."""
         log.error("session %s: refusing to write an inconsistent record (%s)", s.id, why)
@@ -291,7 +294,7 @@ class Residency:
         raise APIError(500, "session_damaged", f"session {s.id!r} could not be written: {why}. It continues from "
                        "its last stored state, if it has one")
 
-    async def created(self, s: Session, work) -> None:
+    async def created(self, s: Session, work: Callable[[], Awaitable[object]]) -> None:
         """Run `work` (which persists) for a session just made; if the store cannot take it, the
         session is dropped again and the client is told nothing was created. The session is
         released either way."""
@@ -324,15 +327,17 @@ class Residency:
         await self.drop(s)
 
 
-async def _slot(eng: Engine, fn) -> int:
+async def _slot(eng: Engine, fn: Callable[[], int]) -> int:
     """`eng.call(fn)` for a call that hands out a slot. If the caller is cancelled meanwhile (its
     client left), the slot is given back once the engine has handed it out, instead of being lost."""
     call = asyncio.ensure_future(eng.call(fn))
     try:
         return await asyncio.shield(call)
     except asyncio.CancelledError:
-        call.add_done_callback(lambda c: c.cancelled() or c.exception() is not None or eng.call_nowait(
-            lambda: eng.release(c.result())))
+        def give_back(c: asyncio.Future[int]) -> None:
+            if not c.cancelled() and c.exception() is None:
+                eng.call_nowait(lambda: eng.release(c.result()))
+        call.add_done_callback(give_back)
         raise
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..core.errors import APIError, not_found
 from .session import decode_record, encode_record, new_id
-from .store import StoreError
+from .store import Store, StoreError
 
 
 def new_response_id() -> str:
@@ -18,7 +18,7 @@ def new_response_id() -> str:
 
 
 class ResponseRecords:
-    def __init__(self, store, ttl: float = 0.0):
+    def __init__(self, store: Store, ttl: float = 0.0):
         self.store, self.ttl = store, ttl or None  # expiring with the sessions (session_ttl) when they do
 
     async def put(self, rid: str, owner: str, session: str, response: dict) -> None:

@@ -80,6 +80,13 @@ class Session:
     def position(self) -> int:
         return self.history_start + len(self.tokens)
 
+    @property
+    def resident_slot(self) -> int:
+        """`slot`, of a session known to hold one (a request holds it: Residency.hold made it resident)."""
+        if self.slot is None:
+            raise RuntimeError(f"session {self.id!r} holds no slot")
+        return self.slot
+
     def adopt_history(self, start: int, tokens: list[int], stored: int) -> None:
         """Take the history read from the store, of which the first `stored` tokens are in
         hist/<id> (0 for a record that carried it all in its blob, written before hist/<id>)."""

@@ -22,7 +22,7 @@ class Snapshots:
     async def state_blob(self, s: Session) -> bytes:
         """The state with its whole history (a download, a snapshot): O(history), by nature."""
         eng = self.engines[s.model]
-        state = await eng.call(lambda: eng.read(s.slot))
+        state = await eng.call(lambda: eng.read(s.resident_slot))
         return await asyncio.to_thread(session_to_bytes, state, eng.model.fingerprint, s.history_start, s.tokens)
 
     async def take(self, s: Session) -> tuple[Snapshot, int]:
@@ -69,7 +69,7 @@ class Snapshots:
         without it the child's history starts at the parent's position (as a session restored from
         a blob without history does), so a fork costs the same however long the parent is."""
         eng = self.engines[s.model]
-        state = await eng.call(lambda: eng.read(s.slot))
+        state = await eng.call(lambda: eng.read(s.resident_slot))
         tokens, start = (s.tokens, s.history_start) if history else ([], s.position)
         # the parent's routing key: a proxy sends the child's requests where it was made
         child = await self.held.new(eng, s.owner, state, tokens, start, affinity=affinity_of(s.id))

@@ -22,11 +22,12 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Awaitable, Callable, Protocol, TypeVar, cast
 
 from ..core.errors import StoreFull, StoreUnavailable
 
 KEY = re.compile(r"^[A-Za-z0-9_\-]{1,64}/[A-Za-z0-9_\-]{1,128}$")  # "<kind>/<id>"
+T = TypeVar("T")
 
 
 class StoreError(Exception):
@@ -61,47 +62,48 @@ class Store(Protocol):
 class MemoryStore:
     durable = False  # gone with the process: sessions are written to it only when spilled
 
-    def __init__(self):
-        self.data: dict[str, tuple[bytes, float | None]] = {}
+    def __init__(self) -> None:
+        # key -> (value, expiry); a value written by offset is a bytearray, grown in place
+        self.data: dict[str, tuple[bytes | bytearray, float | None]] = {}
 
-    def _live(self, key):
+    def _live(self, key: str) -> tuple[bytes | bytearray, float | None] | None:
         v = self.data.get(key)
         if v is not None and v[1] is not None and v[1] <= time.time():
             del self.data[key]
             return None
         return v
 
-    async def put(self, key, value, ttl=None):
+    async def put(self, key: str, value: bytes, ttl: float | None = None) -> None:
         self.data[check_key(key)] = (bytes(value), None if ttl is None else time.time() + ttl)
 
-    async def write_at(self, key, offset, data, ttl=None):
+    async def write_at(self, key: str, offset: int, data: bytes, ttl: float | None = None) -> None:
         v = self._live(check_key(key))
         buf = v[0] if v is not None and isinstance(v[0], bytearray) else bytearray(v[0] if v else b"")  # grown in place
         buf[len(buf):] = bytes(max(0, offset - len(buf)))
         buf[offset:offset + len(data)] = data
         self.data[key] = (buf, None if ttl is None else time.time() + ttl)
 
-    async def get(self, key):
+    async def get(self, key: str) -> bytes | None:
         v = self._live(check_key(key))
         return None if v is None else bytes(v[0])
 
-    async def delete(self, key):
+    async def delete(self, key: str) -> None:
         self.data.pop(check_key(key), None)
 
-    async def list(self, kind):
+    async def list(self, kind: str) -> list[str]:
         return [k.split("/", 1)[1] for k in list(self.data) if k.startswith(kind + "/") and self._live(k)]
 
-    async def touch(self, key, ttl):
+    async def touch(self, key: str, ttl: float | None) -> bool:
         v = self._live(check_key(key))
         if v is None:
             return False
         self.data[key] = (v[0], None if ttl is None else time.time() + ttl)
         return True
 
-    async def ping(self):
+    async def ping(self) -> None:
         pass  # in-process / local files: always reachable
 
-    async def close(self):
+    async def close(self) -> None:
         pass  # nothing to release
 
 
@@ -203,15 +205,15 @@ class DiskStore:
         except OSError as e:
             raise StoreUnavailable(f"disk store: {e.strerror or e}") from None
 
-    async def put(self, key, value, ttl=None):
+    async def put(self, key: str, value: bytes, ttl: float | None = None) -> None:
         await self._run(len(value), self._write, self._path(key), bytes(value), 0.0 if ttl is None else time.time() + ttl)
 
-    async def write_at(self, key, offset, data, ttl=None):
+    async def write_at(self, key: str, offset: int, data: bytes, ttl: float | None = None) -> None:
         await self._run(len(data), self._write_at, self._path(key), offset, bytes(data),
                         0.0 if ttl is None else time.time() + ttl)
 
     @staticmethod
-    async def _run(nbytes: int, fn, *args) -> None:
+    async def _run(nbytes: int, fn: Callable[..., None], *args: Any) -> None:
         """A write of up to INLINE_WRITE bytes runs here, on the event loop; a larger one (a long KV
         cache's record) in a worker thread. A session record's write and fsync are short, and
         handing them to a worker costs more than that in the hop and the GIL hand-offs back: short
@@ -222,23 +224,23 @@ class DiskStore:
         else:
             await asyncio.to_thread(fn, *args)
 
-    async def get(self, key):
+    async def get(self, key: str) -> bytes | None:
         got = await asyncio.to_thread(self._read, self._path(key))
         return None if got is None else got[0]
 
-    async def delete(self, key):
+    async def delete(self, key: str) -> None:
         try:
             self._path(key).unlink(missing_ok=True)
         except OSError as e:
             raise StoreUnavailable(f"disk store: {e.strerror or e}") from None
 
-    async def list(self, kind):
+    async def list(self, kind: str) -> list[str]:
         d = self.root / kind
         if not KEY.fullmatch(f"{kind}/x") or not d.is_dir():
             return []
         return sorted(p.name for p in d.iterdir() if not p.name.startswith("."))
 
-    async def touch(self, key, ttl):
+    async def touch(self, key: str, ttl: float | None) -> bool:
         path = self._path(key)
         got = await asyncio.to_thread(self._read, path)
         if got is None:
@@ -250,12 +252,12 @@ class DiskStore:
             await asyncio.to_thread(self._write, path, got[0], expiry)
         return True
 
-    async def ping(self):
+    async def ping(self) -> None:
         st = os.statvfs(self.root)
         if st.f_bavail * st.f_frsize < self.min_free:
             raise StoreUnavailable(f"disk store: less than {self.min_free >> 20} MiB free under {self.root}")
 
-    async def close(self):
+    async def close(self) -> None:
         pass  # nothing to release
 
 
@@ -272,7 +274,7 @@ class RedisStore:
         self.r = redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
         self.prefix, self.errors, self.full = prefix, (ConnectionError, TimeoutError, OSError), OutOfMemoryError
 
-    async def _do(self, op):
+    async def _do(self, op: Awaitable[T]) -> T:
         try:
             return await op
         except self.errors as e:
@@ -281,13 +283,13 @@ class RedisStore:
             raise StoreFull(f"redis refuses writes at its maxmemory ({e}); delete sessions, or raise its "
                             "maxmemory") from None
 
-    async def put(self, key, value, ttl=None):
+    async def put(self, key: str, value: bytes, ttl: float | None = None) -> None:
         await self._do(self.r.set(self.prefix + check_key(key), value, px=None if ttl is None else max(1, int(ttl * 1000))))
 
-    async def write_at(self, key, offset, data, ttl=None):
+    async def write_at(self, key: str, offset: int, data: bytes, ttl: float | None = None) -> None:
         k = self.prefix + check_key(key)
 
-        async def write():  # one round trip; SETRANGE is idempotent, so a retry after a timeout is safe
+        async def write() -> None:  # one round trip; SETRANGE is idempotent, so a retry after a timeout is safe
             async with self.r.pipeline(transaction=True) as p:
                 p.setrange(k, offset, bytes(data))
                 if ttl is None:
@@ -297,27 +299,28 @@ class RedisStore:
                 await p.execute()
         await self._do(write())
 
-    async def get(self, key):
-        return await self._do(self.r.get(self.prefix + check_key(key)))
+    async def get(self, key: str) -> bytes | None:
+        # redis-py types a value as bytes or str (str under decode_responses, which this client does not set)
+        return cast(bytes | None, await self._do(self.r.get(self.prefix + check_key(key))))
 
-    async def delete(self, key):
+    async def delete(self, key: str) -> None:
         await self._do(self.r.delete(self.prefix + check_key(key)))
 
-    async def list(self, kind):
+    async def list(self, kind: str) -> list[str]:
         pat, n = f"{self.prefix}{kind}/*", len(self.prefix) + len(kind) + 1
 
-        async def scan():
+        async def scan() -> list[str]:
             return sorted([k.decode()[n:] async for k in self.r.scan_iter(match=pat, count=1000)])
         return await self._do(scan())
 
-    async def touch(self, key, ttl):
+    async def touch(self, key: str, ttl: float | None) -> bool:
         k = self.prefix + check_key(key)
         return bool(await self._do(self.r.persist(k) if ttl is None else self.r.pexpire(k, max(1, int(ttl * 1000)))))
 
-    async def ping(self):
+    async def ping(self) -> None:
         await self._do(self.r.ping())
 
-    async def close(self):
+    async def close(self) -> None:
         await self.r.aclose()
 
 
