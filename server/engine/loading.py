@@ -11,6 +11,7 @@ from linstream.model.footprint import footprint
 from linstream.model.hf import CheckpointError, check_checkpoint, load_checkpoint
 from linstream.model import weight_cache
 from linstream.model.hub import is_repo_id
+from linstream.model.lm import LM
 
 from ..core.metrics import Metrics
 from ..core.settings import Settings
@@ -68,7 +69,7 @@ def check_checkpoints(settings: Settings) -> None:
             raise SystemExit(f"cannot serve {path}: {e}") from None
 
 
-def state_slots(model, settings: Settings, name: str = "") -> int:
+def state_slots(model: LM, settings: Settings, name: str = "") -> int:
     """A recurrent model's slots: max_sessions, or fewer where that many states would pass
     max_state_bytes (the pool is made, and zeroed, at start-up); at least one."""
     per = footprint(model)["state_bytes_per_session"]
