@@ -41,7 +41,8 @@ DTYPE_NAMES = {v: k for k, v in STORED_DTYPES.items()}
 ALIGN = 64  # the data starts on a cache line; tensors follow by element size, largest first
 CHUNK = 64 << 20  # bytes checksummed at a time
 # the code whose output the cache holds: a change to any of these makes every key new
-_SOURCES = ("compiled/lowp.py", "compiled/gemm.py", "kernels/__init__.py", "kernels/packed_linear.cpp")
+_SOURCES = ("compiled/lowp.py", "compiled/gemm.py", "kernels/__init__.py", "kernels/packed_linear.cpp",
+            "kernels/quads_int8.h")
 
 
 def folder() -> Path:

@@ -7,7 +7,8 @@ path's rows are bit-identical across batches.
 The default shapes are Mamba 1.4B's in_proj (W 8192x2048: 2048 in, 8192 out) and out_proj
 (W 2048x4096). Ours goes through the op (torch.ops.linstream.packed_linear, float32 rows in and
 out, the call's own cost included) for every kind this CPU has and each panel dtype ("avx512-bf16"
-only for the dtypes it packs in pairs of k: its float32 and float16 panels are "avx512"'s).
+only for the dtypes it packs in pairs of k: its float32 and float16 panels are "avx512"'s;
+"avx512-vnni" only for int8, in quads of k: its other panels are "avx512-bf16"'s).
 torch's: float32 F.linear (MKL); bfloat16 F.linear on bfloat16 rows made beforehand (oneDNN, which
 takes AMX or AVX512-BF16 where the CPU has them; bfloat16 out); oneDNN's linear over a bfloat16
 weight reordered once for the row count (`mkldnn._linear_pointwise`, what `--gemm onednn` calls).
@@ -69,8 +70,9 @@ def paths(w: torch.Tensor, kinds: list[str], M: int) -> dict:
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     out = {}
     for kind in kinds:
-        with kernels.use(kind):
-            dtypes = [d for d in kernels.PANEL_DTYPES if kernels.pairs(d) or kind != kernels.PAIRS]
+        with kernels.use(kind):  # a kind's own panels only: not those it lays out as the kind below it does
+            dtypes = [d for d in kernels.PANEL_DTYPES if kernels.quads(d)] if kind == kernels.QUADS else \
+                [d for d in kernels.PANEL_DTYPES if kernels.pairs(d) or kind not in kernels.PAIRS]
         for dtype in dtypes:
             out[f"ours {kind} {str(dtype)[6:]}"] = ours(kind, dtype, w, q, scale)
     wb = w.bfloat16()

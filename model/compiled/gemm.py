@@ -4,10 +4,12 @@
 
 "own" (the default) is our kernel (model/kernels) over weights packed once in panels of 32
 columns (float32, or bfloat16 / float16 / int8 for `--weights`), called from the step built ahead
-of time through its C shim, in the process's kind (model/kernels/cpu.py: "avx512-bf16" where the
-CPU has AVX512-BF16, whose bfloat16 and int8 panels are multiplied by the input rounded to
-bfloat16 with two products per instruction; else "avx512" or "avx2", which widen every weight to
-float32). At one row it streams the weights as fast as inductor's template; at large batches it
+of time through its C shim, in the process's kind (model/kernels/cpu.py: "avx512-vnni" where the
+CPU has AVX512-BF16 and AVX512-VNNI, whose int8 panels are multiplied by the input quantized to
+int8 a row at a time with four products per instruction; "avx512-bf16" where it has AVX512-BF16,
+whose bfloat16 and int8 panels are multiplied by the input rounded to bfloat16 with two products
+per instruction, as are "avx512-vnni"'s bfloat16 ones; else "avx512" or "avx2", which widen every
+weight to float32). At one row it streams the weights as fast as inductor's template; at large batches it
 is much faster than the template and faster than MKL's sgemm (`python -m benchmarks.model.decode
 --step-only --threads 1 --gemm inductor own --step-batches 1 4 64` puts the three side by side;
 `python -m benchmarks.model.kernel_kinds` the kinds beside MKL and oneDNN). Where the CPU has
@@ -117,7 +119,8 @@ class OwnInt8Linear(Int8Linear):
     """An Int8Linear (--weights int8) through our kernel over int8 panels: a quarter of float32's
     bytes, each weight converted exactly as it is loaded and the row's scale applied once its
     chain is done; the input left in float32 ("avx512", "avx2") or rounded to bfloat16, as
-    Int8Linear's own forward does ("avx512-bf16"). Its qweight is shared with the Int8Linear it
+    Int8Linear's own forward does ("avx512-bf16"), or quantized to int8 with one scale per row,
+    the weights multiplied as int8 ("avx512-vnni"). Its qweight is shared with the Int8Linear it
     stands for; only the panels and a float32 copy of the scales are new."""
 
     def __init__(self, linear: Int8Linear):

@@ -1,7 +1,7 @@
 """What this CPU can run, read from /proc/cpuinfo, and which kind of our matmul a process uses.
 
     cpu = this_cpu()          # Cpu(model="AMD EPYC ...", flags=frozenset({"avx2", "avx512f", ...}))
-    choose(cpu)               # "avx512-bf16": the best kind this CPU has, or $LINSTREAM_KERNEL's
+    choose(cpu)               # "avx512-vnni": the best kind this CPU has, or $LINSTREAM_KERNEL's
 
 A kind names a build of packed_linear.cpp and, with it, the layout of its bfloat16 and int8 panels
 and the arithmetic done on them (float32 panels are one FMA chain in every kind):
@@ -10,6 +10,9 @@ and the arithmetic done on them (float32 panels are one FMA chain in every kind)
 - "avx512-bf16": "avx512" for float32 and float16 panels; bfloat16 and int8 panels hold pairs of
   k (`_mm512_dpbf16_ps` multiplies two bfloat16 products into each float32 lane per instruction),
   and the input row is rounded to bfloat16 first: another numeric, so a process uses one kind.
+- "avx512-vnni": "avx512-bf16", except that int8 panels hold quads of k, each weight plus 128, and
+  each input row is quantized to int8 with one scale of its own (`_mm512_dpbusd_epi32`: four int8
+  products into each int32 lane per instruction, the chain exact): int8 weights by int8 inputs.
 A CPU's best kind is chosen unless LINSTREAM_KERNEL names another it has. torch's own report
 (`torch.backends.cpu.get_cpu_capability()`) is not enough: it says "AVX512" on a CPU with
 AVX512-BF16 and on one with AMX alike. No torch import here: reading the flags stays cheap.
@@ -26,7 +29,8 @@ ENV = "LINSTREAM_KERNEL"
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx512_fp16",
             "amx_tile", "amx_bf16", "amx_int8")
 # kind -> the flags its build needs, best kind first
-KINDS = {"avx512-bf16": ("avx512f", "avx512bw", "avx512_bf16", "fma"),
+KINDS = {"avx512-vnni": ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "fma"),
+         "avx512-bf16": ("avx512f", "avx512bw", "avx512_bf16", "fma"),
          "avx512": ("avx512f", "fma"),
          "avx2": ("avx2", "fma", "f16c")}
 # kinds a CPU may offer that have no kernel here: named so that asking for one says so plainly.

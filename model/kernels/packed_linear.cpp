@@ -249,6 +249,8 @@ void pairs_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const W *p,
 }
 #endif
 
+#include "quads_int8.h"  // int8 panels in quads of k, by int8 rows (AVX512-VNNI builds)
+
 }  // namespace
 
 extern "C" {
@@ -306,6 +308,23 @@ void linstream_packed_linear_pairs_int8(const float *x, int64_t M, int64_t K, in
 }
 #endif
 
+// Whether this build has int8 panels in quads of k (the "avx512-vnni" kind)
+int64_t linstream_has_quads(void) {
+#if defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512VNNI__)
+// p: (ceil(N/32), ceil(K/4), 32, 4) uint8, each weight plus 128; scale not null
+void linstream_packed_linear_quads_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *p,
+                                        int64_t N, const float *scale, const float *bias, float *y) {
+    quads_linear(x, M, K, ldx, (const quad_u8 *)p, N, scale, bias, y);
+}
+#endif
+
 // The threads a product's split runs on: as many as torch's thread count when the library is built
 // with OpenMP (at::parallel_for is serial without it), one chunk per thread here.
 int64_t linstream_split_threads(void) {
@@ -343,7 +362,10 @@ AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle
     if (aoti_torch_get_data_ptr(x, &xp) || aoti_torch_get_data_ptr(packed, &pp)) return 1;
     if (aoti_torch_get_dtype(packed, &dtype) || aoti_torch_get_dim(packed, &dims)) return 1;
 #if !defined(__AVX512BF16__)
-    if (dims == 4) return 1;  // panels in pairs of k: not in this build
+    if (dims == 4 && dtype != aoti_torch_dtype_uint8()) return 1;  // panels in pairs of k: not in this build
+#endif
+#if !defined(__AVX512VNNI__)
+    if (dtype == aoti_torch_dtype_uint8()) return 1;  // panels in quads of k: not in this build
 #endif
     if (bias && *bias && aoti_torch_get_data_ptr(*bias, &bp)) return 1;
     if (scale && *scale && aoti_torch_get_data_ptr(*scale, &sp)) return 1;
@@ -353,6 +375,13 @@ AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle
         return 1;
     if (aoti_torch_get_data_ptr(*ret0, &yp)) return 1;
     const float *xf = (const float *)xp, *sf = (const float *)sp, *bf = (const float *)bp;
+#if defined(__AVX512VNNI__)
+    if (dtype == aoti_torch_dtype_uint8()) {
+        if (!sf) return 1;
+        quads_linear(xf, M, K, ldx, (const quad_u8 *)pp, n, sf, bf, (float *)yp);
+        return 0;
+    }
+#endif
 #if defined(__AVX512BF16__)
     if (dims == 4 && dtype == aoti_torch_dtype_bfloat16())
         pairs_linear(xf, M, K, ldx, (const pair_bf16 *)pp, n, sf, bf, (float *)yp);

@@ -25,6 +25,10 @@ processor\t: 1
 model name\t: another
 flags\t\t: fpu
 """
+CASCADE_LAKE = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz
+flags\t\t: fpu fma f16c avx2 avx512f avx512bw avx512vl avx512_vnni
+"""
 GENOA = """processor\t: 0
 model name\t: AMD EPYC 9654 96-Core Processor
 flags\t\t: fpu fma f16c avx2 avx512f avx512bw avx512_bf16 avx512vbmi avx512_vnni
@@ -40,12 +44,14 @@ def test_features_are_read_from_cpuinfo():
     assert cpu.parse("").flags == frozenset() and cpu.parse("").model == "unknown"
     assert cpu.kinds(cpu.parse(HASWELL)) == ["avx2"]
     assert cpu.kinds(cpu.parse(SKYLAKE_X)) == ["avx512", "avx2"]
-    assert cpu.kinds(cpu.parse(GENOA)) == cpu.kinds(spr) == ["avx512-bf16", "avx512", "avx2"]
+    assert cpu.kinds(cpu.parse(GENOA)) == cpu.kinds(spr) == ["avx512-vnni", "avx512-bf16", "avx512", "avx2"]
+    assert cpu.kinds(cpu.parse(CASCADE_LAKE)) == ["avx512", "avx2"]  # VNNI, but no BF16 for the other panels
 
 
 def test_the_best_kind_is_chosen_unless_one_is_forced(monkeypatch):
     monkeypatch.delenv(cpu.ENV, raising=False)
-    assert cpu.choose(cpu.parse(GENOA)) == "avx512-bf16"
+    assert cpu.choose(cpu.parse(GENOA)) == "avx512-vnni"
+    assert cpu.choose(cpu.parse(GENOA), "avx512-bf16") == "avx512-bf16"  # today's int8 panels, in pairs of k
     assert cpu.choose(cpu.parse(SKYLAKE_X)) == "avx512"
     assert cpu.choose(cpu.parse(HASWELL)) == "avx2"
     assert cpu.choose(cpu.parse("flags : sse2 avx")) is None
@@ -57,13 +63,17 @@ def test_the_best_kind_is_chosen_unless_one_is_forced(monkeypatch):
 def test_a_kind_the_cpu_lacks_is_refused():
     with pytest.raises(ValueError, match="'avx512-bf16' needs avx512f, avx512bw, avx512_bf16, which this CPU .* lacks"):
         cpu.choose(cpu.parse(HASWELL), "avx512-bf16")
+    with pytest.raises(ValueError, match="'avx512-vnni' needs avx512f, avx512bw, avx512_bf16, avx512_vnni, which this CPU"):
+        cpu.choose(cpu.parse(HASWELL), "avx512-vnni")
+    with pytest.raises(ValueError, match="'avx512-vnni' needs avx512_bf16, which this CPU .* lacks; it has avx512, avx2"):
+        cpu.choose(cpu.parse(CASCADE_LAKE), "avx512-vnni")
     with pytest.raises(ValueError, match="'avx512' needs avx512f, which this CPU .* lacks; it has avx2"):
         cpu.choose(cpu.parse(HASWELL), "avx512")
     with pytest.raises(ValueError, match="lacks amx_tile, amx_bf16, and there is no amx kernel here"):
         cpu.choose(cpu.parse(GENOA), "amx")
     with pytest.raises(ValueError, match="there is no amx kernel here"):  # AMX, but no kernel for it
         cpu.choose(cpu.parse(SAPPHIRE_RAPIDS), "amx")
-    with pytest.raises(ValueError, match="expected one of avx512-bf16, avx512, avx2"):
+    with pytest.raises(ValueError, match="expected one of avx512-vnni, avx512-bf16, avx512, avx2"):
         cpu.choose(cpu.parse(GENOA), "avx1024")
     with pytest.raises(ValueError, match="amx"):  # this machine: no AMX kernel, whatever its CPU
         with kernels.use("amx"):
@@ -97,7 +107,8 @@ def test_each_kind_is_close_to_float32_and_its_rows_bits_do_not_depend_on_batch_
         p, scale, w, b, x = case(dtype)
         N = w.shape[0]
         y = torch.ops.linstream.packed_linear(x, p, b, N, scale)
-        xr = x.bfloat16().float() if kernels.pairs(dtype) else x  # what the kernel multiplies
+        # what the kernel multiplies: the rows quantized to int8 (quads), rounded to bfloat16 (pairs), or as they are
+        xr = kernels.quantized_rows(x) if kernels.quads(dtype) else x.bfloat16().float() if kernels.pairs(dtype) else x
         atol = 1e-4 * x.shape[1] ** 0.5 * (float(w.abs().max()) if dtype == torch.int8 else 1)
         torch.testing.assert_close(y, F.linear(xr, w, b), atol=atol, rtol=1e-5)
         for rows in ([7], [0, 1, 2, 3, 4], list(range(5, 10))):
@@ -118,7 +129,7 @@ def test_widening_panels_give_the_same_bits_in_every_kind(dtype):
     out = {}
     for kind in HERE:
         with kernels.use(kind):
-            if not kernels.pairs(dtype):
+            if not kernels.pairs(dtype) and not kernels.quads(dtype):
                 p, scale, _, b, x = case(dtype)
                 out[kind] = torch.ops.linstream.packed_linear(x, p, b, 600, scale)
     assert out and all(torch.equal(y, next(iter(out.values()))) for y in out.values()), list(out)
@@ -126,14 +137,50 @@ def test_widening_panels_give_the_same_bits_in_every_kind(dtype):
 
 @needs_kernel
 def test_panels_in_pairs_need_their_kind():
-    if "avx512-bf16" not in HERE or len(HERE) < 2:
+    if "avx512-bf16" not in HERE or "avx512" not in HERE:
         pytest.skip("this CPU has no kind to compare panels in pairs of k with")
     with kernels.use("avx512-bf16"):
         p, scale, _, b, x = case(torch.bfloat16)
         assert p.dim() == 4
-    with kernels.use(HERE[1]):
-        with pytest.raises(ValueError, match="pairs of k are the avx512-bf16 kind's"):
+    with kernels.use("avx512"):
+        with pytest.raises(ValueError, match="pairs of k are the avx512-bf16 and avx512-vnni kinds'"):
             torch.ops.linstream.packed_linear(x, p, b, 600, scale)
-        if HERE[1] != kernels._process_kind():  # a built step would call the process's kind's shim
+        if kernels._process_kind() != "avx512":  # a built step would call the process's kind's shim
             with pytest.raises(RuntimeError, match="compiled step calls"):
                 kernels.aoti_options()
+
+
+@needs_kernel
+def test_int8_panels_in_quads_need_their_kind_and_hold_each_weight_plus_128():
+    if "avx512-vnni" not in HERE:
+        pytest.skip("this CPU lacks AVX512-VNNI (or AVX512-BF16)")
+    q = torch.randint(-127, 128, (40, 15), dtype=torch.int8)  # K not a multiple of 4: zero weights pad the last quad
+    with kernels.use("avx512-vnni"):
+        p = kernels.pack(q, torch.int8)
+        assert p.shape == (2, 4, 32, 4) and p.dtype == torch.uint8
+        held = p.transpose(1, 2).reshape(64, 16).to(torch.int16) - 128  # (N padded, K padded)
+        assert torch.equal(held[:40, :15], q.to(torch.int16)) and not held[:, 15:].any() and not held[40:].any()
+        with pytest.raises(ValueError, match="do not go together"):  # int8 panels need their scales
+            torch.ops.linstream.packed_linear(torch.randn(2, 15), p, None, 40)
+        with pytest.raises(ValueError, match="from int8 weights"):
+            kernels.pack(q.float(), torch.int8)
+    with kernels.use("avx512-bf16"):
+        with pytest.raises(ValueError, match="quads of k are the avx512-vnni kind's, this process's is avx512-bf16"):
+            torch.ops.linstream.packed_linear(torch.randn(2, 15), p, None, 40, torch.ones(40))
+
+
+@needs_kernel
+def test_int8_rows_quantized_alone_give_bits_of_their_own():
+    """A row of zeros, a row with one large value and ordinary rows, through the quads kind: each
+    output as the row's int8 values times the weights, its bits the same alone and in any batch."""
+    if "avx512-vnni" not in HERE:
+        pytest.skip("this CPU lacks AVX512-VNNI (or AVX512-BF16)")
+    with kernels.use("avx512-vnni"):
+        p, scale, w, b, x = case(torch.int8, K=64, N=70)
+        x[3] = 0
+        x[5, 17] = 1e4  # the rest of this row rounds to zero
+        y = torch.ops.linstream.packed_linear(x, p, b, 70, scale)
+        torch.testing.assert_close(y, F.linear(kernels.quantized_rows(x), w, b), atol=1e-3, rtol=1e-5)
+        assert torch.equal(y[3], b)
+        for i in (3, 5, 63):
+            assert torch.equal(torch.ops.linstream.packed_linear(x[i:i + 1], p, b, 70, scale), y[i:i + 1])

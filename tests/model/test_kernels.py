@@ -2,11 +2,12 @@
 bfloat16, float16 or int8 panels, and a row's bits independent of the rows beside it, the property
 the compiled step's batch invariance rests on. The suite runs this process's kind (the best this
 CPU has: "avx512-bf16" packs bfloat16 and int8 weights in pairs of k and rounds the input to
-bfloat16); tests/model/test_kernel_kinds.py forces each kind the CPU has."""
+bfloat16; "avx512-vnni" packs int8 weights in quads of k and quantizes each input row to int8);
+tests/model/test_kernel_kinds.py forces each kind the CPU has."""
 import pytest
 import torch
 import torch.nn.functional as F
-from linstream.model.kernels import NR, pack, pairs, unavailable
+from linstream.model.kernels import NR, pack, pairs, quads, quantized_rows, unavailable
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"the kernel cannot run here: {unavailable()}")
 
@@ -33,23 +34,28 @@ def weights(N: int, K: int, dtype: torch.dtype, g: torch.Generator):
 def test_matches_f_linear(K, N, bias, dtype):
     """bfloat16 and float16 panels compute what float32 weights rounded to them do, int8 panels what
     their dequantized weights do (inputs stay float32, or are rounded to bfloat16 where the panels
-    hold pairs of k)."""
+    hold pairs of k, or quantized to int8 a row at a time where they hold quads)."""
     g = torch.Generator().manual_seed(K * 1000 + N)
     p, scale, w = weights(N, K, dtype, g)
     b = torch.randn(N, generator=g) if bias else None
     P = (N + NR - 1) // NR
-    assert p.shape == ((P, (K + 1) // 2, NR, 2) if pairs(dtype) else (P, K, NR)) and p.dtype == dtype
+    if quads(dtype):
+        assert p.shape == (P, (K + 3) // 4, NR, 4) and p.dtype == torch.uint8
+    else:
+        assert p.shape == ((P, (K + 1) // 2, NR, 2) if pairs(dtype) else (P, K, NR)) and p.dtype == dtype
     for M in (1, 2, 3, 4, 5, 12, 13, 64, 70):
         x = torch.randn(M, K, generator=g)
         y = torch.ops.linstream.packed_linear(x, p, b, N, scale)
         assert y.shape == (M, N) and y.dtype == torch.float32
         atol = 1e-4 * K ** 0.5 * (float(w.abs().max()) if dtype == torch.int8 else 1)
-        xr = x.bfloat16().float() if pairs(dtype) else x  # what the kernel multiplies
+        xr = quantized_rows(x) if quads(dtype) else x.bfloat16().float() if pairs(dtype) else x  # what it multiplies
         torch.testing.assert_close(y, F.linear(xr, w, b), atol=atol, rtol=1e-5)
 
 
 def unpack(p: torch.Tensor) -> torch.Tensor:
     """Panels -> the (32 ceil(N/32), K) weight they hold: panel q, column j = output row 32q + j."""
+    if p.dtype == torch.uint8:  # (P, K/4, 32, 4): int8 in quads of k, each plus 128
+        return (p.transpose(1, 2).reshape(p.shape[0] * NR, -1).to(torch.int16) - 128).to(torch.int8)
     if p.dim() == 4:  # (P, K/2, 32, 2): k in pairs
         return p.transpose(1, 2).reshape(p.shape[0] * NR, -1)
     return p.permute(0, 2, 1).reshape(p.shape[0] * NR, -1)
@@ -108,4 +114,5 @@ def test_a_meta_weight_packs_to_meta_panels_of_the_same_shape(dtype):
     """A model restored structurally on the meta device gets panels of the right shape to assign to."""
     w = torch.randn(70, 48)
     meta = pack(w.to("meta"), dtype)
-    assert meta.is_meta and meta.dtype == dtype and meta.shape == pack(w, dtype).shape
+    packed = pack(w if dtype != torch.int8 else w.round().clamp(-127, 127).to(torch.int8), dtype)
+    assert meta.is_meta and meta.dtype == packed.dtype and meta.shape == packed.shape
