@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from ..core.errors import APIError
 from ..core.heap import Heap
@@ -17,15 +18,16 @@ from ..sessions.residency import Residency
 from ..sessions.store import StoreUnavailable
 
 log = logging.getLogger("linstream")
+T = TypeVar("T")
 
 
 class Tasks:
     """Tasks that outlive the request that started them (a persist after a stream, the loops)."""
 
     def __init__(self) -> None:
-        self.running: set[asyncio.Task] = set()
+        self.running: set[asyncio.Task[Any]] = set()
 
-    def spawn(self, coro: Coroutine) -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         t = asyncio.create_task(coro)
         self.running.add(t)
         t.add_done_callback(self.running.discard)
@@ -65,7 +67,10 @@ async def trim_heap(metrics: Metrics, every: float = 10.0) -> None:
     while True:
         await asyncio.sleep(every)
         await asyncio.to_thread(heap.trim)
-        in_use, free = heap.stats()
+        stats = heap.stats()
+        if stats is None:  # an allocator it cannot read (returned above)
+            return
+        in_use, free = stats
         metrics.heap_in_use.set(in_use)
         metrics.heap_free.set(free)
 

@@ -28,7 +28,7 @@ import binascii
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from linstream.model.snapshot import SnapshotModelMismatch
 
@@ -53,7 +53,13 @@ class StateRef:
     blob: bytes | None = None
 
 
-def state_ref(value, limit: int) -> StateRef | None:
+class BlobField(Protocol):
+    """A request's {"blob": "<base64>"} as the schema parsed it (api/state_schemas.py's StateBlob)."""
+    @property
+    def blob(self) -> str: ...
+
+
+def state_ref(value: str | BlobField | None, limit: int) -> StateRef | None:
     """The request's `state` field (None, "<snapshot_id>" or {"blob": "<base64>"}, as the schema
     parsed it), its blob decoded within `limit` bytes."""
     if value is None:
@@ -98,6 +104,7 @@ async def engine_of(rt: Runtime, ref: StateRef, owner: str, model: str | None) -
         meta, blob = await rt.records.snapshot(ref.snapshot_id, owner)  # another key's: 404
         eng = rt.engine(meta["model"])
     else:
+        assert ref.blob is not None  # a StateRef holds one of the two
         blob = ref.blob
         eng = rt.engine(model) if model else rt.snapshots.engine_for_blob(blob)
     if model and rt.engine(model) is not eng:
@@ -176,7 +183,7 @@ async def close_turn(rt: Runtime, s: Session, hb: HandBack, stops: list[str]) ->
     eng = rt.engines[s.model]
     k = hb.start - s.history_start
     made = s.tokens[k:]
-    after = hb.closing(as_resent(eng.tok.decode(made), stops))
+    after = hb.closing(as_resent(eng.tok.decode(made), stops)) if hb.closing is not None else None
     if after is None or not rt.prefix_reuse.exact(eng):  # a tokenizer that may merge across messages: as generated
         return
     # tokenized as the next request's transcript holds it, the next message's first letter after
@@ -189,9 +196,10 @@ async def close_turn(rt: Runtime, s: Session, hb: HandBack, stops: list[str]) ->
         more = tail[len(made):]
     else:  # back to the prompt's end, and the answer as the transcript holds it
         row = hb.row
-        await eng.call(lambda: eng.restore_row(s.slot, row, False))
+        assert row is not None  # taken with `closing`
+        await eng.call(lambda: eng.restore_row(s.resident_slot, row, False))
         del s.tokens[k:]
         more = tail
     if more:
-        await eng.prefill(s.slot, more, owner=s.owner, checkpoints=s.checkpoints.hook())
+        await eng.prefill(s.resident_slot, more, owner=s.owner, checkpoints=s.checkpoints.hook())
         s.tokens.extend(more)

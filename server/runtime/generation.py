@@ -67,14 +67,16 @@ async def open_generation(rt: Runtime, req: GenerationRequest) -> Stream:
     if callable(req.prompt):  # chat messages, rendered by the model's chat template
         req.prompt = req.prompt(eng)
     matcher = await rt.constrain(eng, req.constraint, req.owner)
-    ids, text = [], req.prompt if isinstance(req.prompt, str) else None
+    ids: list[int] = []
+    text = req.prompt if isinstance(req.prompt, str) else None
     if req.prompt is not None:
-        ids = await (rt.prompt_tokens(eng, req.owner, text) if text is not None else rt.tokens_of(eng, None, req.prompt))
+        ids = await (rt.prompt_tokens(eng, req.owner, req.prompt) if isinstance(req.prompt, str)
+                     else rt.tokens_of(eng, None, req.prompt))
         if not ids and blob is None and (s is None or s.position == 0):
             raise APIError(400, "empty_prompt", "the prompt is empty: send text or token ids" if s is None else
                            f"session {s.id!r} holds no tokens and the prompt is empty: send text or token ids")
     temporary = s is None
-    if temporary:
+    if s is None:
         rt.admit(eng, req.owner)  # draining, overloaded or rate-limited: refused before any work
         if blob is not None:  # its prompt goes on from the state: pushed whole
             s = await continue_from(rt, eng, blob, req.owner)

@@ -110,7 +110,7 @@ async def open_turn(rt: Runtime, owner: str, model: str | None, previous: str | 
         raise
     if restored is not None:
         s, cached, push = restored, restored.position, ids
-    elif parent:  # the fork holds the conversation: this request's input is pushed whole
+    elif parent is not None and previous:  # the fork holds the conversation: this request's input is pushed whole
         s = await _fork(rt, parent, previous, owner)
         cached, push = s.position, ids
     elif store:  # prefilled by the create
@@ -129,7 +129,8 @@ def tail_text(tok: Tokenizer, ids: list[int]) -> str:
     it (it decodes to no text), so that what follows can tell a turn the model ended from one cut
     short or ended by its grammar (a tool call)."""
     eos = tok.chat_template.eos_token if tok.chat_template is not None else ""
-    out, run = [], []
+    out: list[str] = []
+    run: list[int] = []
     for t in ids:
         if t in tok.eos_ids:
             out += [tok.decode(run), eos]

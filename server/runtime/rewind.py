@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from linstream.model.state import State
 
 from ..core.errors import APIError
-from ..engine.jobs import Job
+from ..engine.jobs import Prefill
 from ..sessions.session import Session, affinity_of
 
 if TYPE_CHECKING:
@@ -40,14 +40,14 @@ async def start_state(rt: Runtime, s: Session, p: int) -> tuple[int, State]:
                    param="position")
 
 
-async def _advance(rt: Runtime, s: Session, q: int, state: State, p: int) -> Job | None:
+async def _advance(rt: Runtime, s: Session, q: int, state: State, p: int) -> Prefill | None:
     """Put s's row at `state` (position q) and prefill its history up to p. -> the prefill's job."""
     eng = rt.engines[s.model]
     ids = s.tokens[q - s.history_start:p - s.history_start]
-    await eng.call(lambda: eng.restore_row(s.slot, state, False))
+    await eng.call(lambda: eng.restore_row(s.resident_slot, state, False))
     if not ids:
         return None
-    return await eng.prefill(s.slot, ids, read=not s.ephemeral, owner=s.owner, checkpoints=s.checkpoints.hook())
+    return await eng.prefill(s.resident_slot, ids, read=not s.ephemeral, owner=s.owner, checkpoints=s.checkpoints.hook())
 
 
 async def rewind(rt: Runtime, s: Session, p: int) -> dict:
@@ -60,12 +60,12 @@ async def rewind(rt: Runtime, s: Session, p: int) -> dict:
     try:
         job = await _advance(rt, s, q, state, p)
     except BaseException:
-        await asyncio.shield(eng.call(lambda: eng.restore_row(s.slot, point.row, False)))
+        await asyncio.shield(eng.call(lambda: eng.restore_row(s.resident_slot, point.row, False)))
         s.checkpoints.settle(s.position)  # copies the engine took on the way are past nothing kept
         raise
     s.cut_history(p)
     s.checkpoints.forget_after(p)
-    await rt.residency.persist(s, job and job.state)
+    await rt.residency.persist(s, job.state if job is not None else None)
     return {"position": s.position, "from_position": q, "prefilled": p - q,
             "prefill_ms": round(1000 * (time.perf_counter() - t0), 3)}
 
@@ -80,8 +80,8 @@ async def fork_at(rt: Runtime, s: Session, p: int) -> Session:
                               affinity=affinity_of(s.id))
     child.checkpoints = await rt.snapshots.inherited(s, p)
 
-    async def work():
+    async def work() -> None:
         job = await _advance(rt, child, q, state, p) if p > q else None
-        await rt.residency.persist(child, job and job.state)
+        await rt.residency.persist(child, job.state if job is not None else None)
     await rt.residency.created(child, work)
     return child

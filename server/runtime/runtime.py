@@ -29,6 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from linstream.model.constrain import Matcher
 from linstream.model.sampling import SamplingParams
@@ -42,7 +43,7 @@ from ..core.settings import Settings
 from ..core.usage import Usage
 from ..engine.admission import Admission
 from ..engine.engine import Engine
-from ..engine.jobs import Job, NonFiniteState, PrefillCancelled
+from ..engine.jobs import Job, NonFiniteState, Prefill, PrefillCancelled
 from ..engine.loading import load_engines
 from ..engine.prompts import tokens_of
 from ..sessions.leases import Leases
@@ -59,6 +60,7 @@ from .generation import GenerationRequest, open_generation
 from .stream import RestorePoint, Stream
 
 log = logging.getLogger("linstream")
+T = TypeVar("T")
 
 
 class Runtime:
@@ -121,7 +123,8 @@ class Runtime:
         self.admission.draining = True
         grace = self.settings.graceful_shutdown_s
         end = grace - min(5.0, grace / 2)  # leave time to write every ended session
-        self.loop.call_soon_threadsafe(lambda: setattr(self, "drain_timer", self.loop.call_later(end, self._end_streams)))
+        loop = self.loop
+        loop.call_soon_threadsafe(lambda: setattr(self, "drain_timer", loop.call_later(end, self._end_streams)))
 
     def _end_streams(self) -> None:
         for st in list(self.streams):
@@ -156,7 +159,7 @@ class Runtime:
         if self.prefixes.tier is not None:
             await self.prefixes.tier.close()
 
-    def spawn(self, coro: Coroutine) -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         return self.tasks.spawn(coro)
 
     # ---- lookups and validation ----------------------------------------------------------
@@ -196,7 +199,7 @@ class Runtime:
         for name, eng in self.engines.items():
             held = [s for s in self.sessions.values() if s.model == name and s.slot is not None]
             m.sessions.labels(name).set(len(held))
-            m.state_bytes.labels(name).set(sum(eng.row_nbytes(s.slot) for s in held))
+            m.state_bytes.labels(name).set(sum(eng.row_nbytes(s.resident_slot) for s in held))
             m.queue_depth.labels(name).set(eng.queue_depth)
         try:
             with open("/proc/self/statm") as f:
@@ -227,14 +230,14 @@ class Runtime:
         await self.residency.created(s, lambda: self.push(s, ids[n:]))
         return s
 
-    async def push(self, s: Session, ids: list[int], logprobs: int | None = None) -> tuple[float, Job | None]:
+    async def push(self, s: Session, ids: list[int], logprobs: int | None = None) -> tuple[float, Prefill | None]:
         """Advance the session over ids (chunked prefill, interleaved with others' decode), then
         persist it. -> (ms the prefill took, its engine job or None)."""
         eng = self.engines[s.model]
         self.check_budget(s, len(ids), "push")
         t0 = time.perf_counter()
         try:
-            job = await eng.prefill(s.slot, ids, logprobs, read=not s.ephemeral, owner=s.owner,
+            job = await eng.prefill(s.resident_slot, ids, logprobs, read=not s.ephemeral, owner=s.owner,
                                     checkpoints=s.checkpoints.hook()) if ids else None
         except NonFiniteState as e:  # the session's state (a restored one) cannot take these tokens
             raise APIError(422, "non_finite_state", str(e)) from None
@@ -251,7 +254,7 @@ class Runtime:
             await self.prefix_reuse.cache_prompt(s, eng)
         ms = 1000 * (time.perf_counter() - t0)
         try:
-            await self.residency.persist(s, job and job.state, finite=job is not None)
+            await self.residency.persist(s, job.state if job is not None else None, finite=job is not None)
             if job is not None:
                 job.state = None  # written: a KV cache's copy must not outlive the request
         except StoreUnavailable as e:
@@ -263,7 +266,7 @@ class Runtime:
         """Where a held session is now (its row and history length), for a generation whose
         response may never leave to go back to (Stream.restore_point: finish_generation puts it back)."""
         eng = self.engines[s.model]
-        return RestorePoint(await eng.call(lambda: eng.copy_row(s.slot)), len(s.tokens))
+        return RestorePoint(await eng.call(lambda: eng.copy_row(s.resident_slot)), len(s.tokens))
 
     async def constrain(self, eng: Engine, c: Constraint | None, owner: str = "") -> Matcher | None:
         """The matcher of a request's constraint for `eng`, compiled off the event loop and the
@@ -288,12 +291,12 @@ class Runtime:
         self.admission.admit(eng, s.owner)
         self.admission.opened(eng, s.owner)
 
-        def finished(j: Job):  # engine thread
+        def finished(j: Job) -> None:  # engine thread
             self.admission.closed(eng, s.owner, j.emitted)
             self.usage.add(s.owner, completion_tokens=j.emitted, generations=1)
             if not s.ephemeral:  # the row is final: read it now, saving persist a round trip
                 j.state = eng.read(j.slot)
-        job = Job(s.slot, params, asyncio.get_running_loop(), logprobs, finished, owner=s.owner, matcher=matcher,
+        job = Job(s.resident_slot, params, asyncio.get_running_loop(), logprobs, finished, owner=s.owner, matcher=matcher,
                   checkpoints=s.checkpoints.hook(), position=s.position)
         eng.submit(job)
         st = Stream(job, eng, s, lambda: self.finish_generation(st), self.spawn)
@@ -314,10 +317,10 @@ class Runtime:
             if job.finish == "error" and extra > 0:  # handed over, but the step taking it failed
                 del s.tokens[len(s.tokens) - extra:]
                 job.yielded = job.consumed
-                job.error += f"; the last {extra} token(s) sent could not be applied and are not part of the session"
+                job.error = (job.error or "") + f"; the last {extra} token(s) sent could not be applied and are not part of the session"
             point = st.restore_point
             if point is not None and st.abandoned:  # a response that never left: the session as before it
-                job.state = await st.eng.call(lambda: st.eng.restore_row(s.slot, point.row, read=not s.ephemeral))
+                job.state = await st.eng.call(lambda: st.eng.restore_row(s.resident_slot, point.row, read=not s.ephemeral))
                 del s.tokens[point.length:]
             await self.residency.persist(s, job.state)
             job.state = None  # written: a KV cache's copy must not outlive the request
@@ -391,7 +394,7 @@ class Runtime:
                            f"cache of {pos} positions ({pos * per} bytes), past kv_session_bytes="
                            f"{cfg.kv_session_bytes} ({cfg.kv_session_bytes // per} positions of model {eng.name!r}); "
                            "send fewer tokens or continue in a new session")
-        if pos > eng.kv_cap:
+        if eng.kv_cap is not None and pos > eng.kv_cap:  # (set for every KV-cache model: __init__)
             raise APIError(507, "kv_memory_full", f"this {what} of up to {more} tokens would need {pos} positions of KV "
                            f"cache; model {eng.name!r} holds at most {eng.kv_cap} a slot (kv_total_bytes="
                            f"{cfg.kv_total_bytes} over its {eng.slots} slots, each as long as the longest)",
