@@ -8,8 +8,9 @@ already have stepped that token (lookahead), and rolls it back if it is never ha
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from linstream.model.state import State
 
@@ -18,6 +19,9 @@ from ..engine.engine import Engine
 from ..engine.jobs import Job
 from ..sessions.session import Session
 from .constraints import failure
+
+if TYPE_CHECKING:
+    from .client_state import HandBack
 
 
 @dataclass
@@ -41,8 +45,8 @@ class Stream:
     session it runs on, and `finish`, which persists and releases the session once the engine is
     done (Runtime.finish_generation); `spawn` runs that past the request's own end."""
 
-    def __init__(self, job: Job, eng: Engine, session: Session, finish: Callable[[], Awaitable[None]],
-                 spawn: Callable[[Awaitable], asyncio.Task]):
+    def __init__(self, job: Job, eng: Engine, session: Session, finish: Callable[[], Coroutine[Any, Any, None]],
+                 spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]):
         self.job, self.eng, self.session = job, eng, session
         self.start = session.position  # the position the generation starts from
         # where the session goes back to if the generation's response never leaves (a
@@ -51,7 +55,7 @@ class Stream:
         self.abandoned = False
         self.temporary = False  # its session was made for this request alone, and is deleted when it ends
         self.prompt: Prompt | None = None  # what its request pushed first (runtime/generation.py)
-        self.hand_back = None  # return_state: the state handed back when it ends (runtime/client_state.py)
+        self.hand_back: HandBack | None = None  # return_state: the state handed back when it ends (runtime/client_state.py)
         self._finish, self._spawn = finish, spawn
 
     def delivered(self, token: int) -> None:
