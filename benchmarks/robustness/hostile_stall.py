@@ -9,12 +9,14 @@ completions of 4,096 tokens) stretches its phase to its end. The last phases are
 requests that take much of the engine (many choices, many prompts, a long prompt echoed with
 logprobs to 16 choices, a client that hangs up): there the goal is B's p99 gap within 3x the quiet
 one and no gap over 250 ms; beside 54 streams of key A at once (the last), B's median gap within
-3x the quiet one. Meanwhile key B also sends a short completion every --probe-s seconds; a phase
+3x the quiet one, and key A's own tokens a second are reported (the price of the share,
+`fair_step_cost`). Meanwhile key B also sends a short completion every --probe-s seconds; a phase
 reports how many of them failed (goal: none) and their slowest answer. Writes JSON (--out).
 
     python -m benchmarks.robustness.hostile_stall --phase-s 5
     python -m benchmarks.robustness.hostile_stall --phase-s 5 --only quiet,n16_sampled_4096
     python -m benchmarks.robustness.hostile_stall --phase-s 5 --prefill-share 0 --out /tmp/share0.json
+    python -m benchmarks.robustness.hostile_stall --phase-s 5 --only quiet,streams54 --fair-step-cost 0
 """
 from __future__ import annotations
 
@@ -82,22 +84,33 @@ def hang_up(c: httpx.Client, path: str, body: dict, after: float):
     return send
 
 
-def streamed(c: httpx.Client, path: str, body: dict):
+def streamed(c: httpx.Client, path: str, body: dict, chunks: list | None = None):
+    """One streamed request read to its end; -> its status. `chunks`: where to append how many
+    data chunks (tokens, for a completion of one choice) it sent."""
     def send():
+        n = 0
         with c.stream("POST", path, json={**body, "stream": True}) as r:
-            for _ in r.iter_bytes():
-                pass
-            return r.status_code
+            for line in r.iter_lines():
+                n += line.startswith("data: {")
+        if chunks is not None:
+            chunks.append(n)
+        return r.status_code
     return send
 
 
 def crowd(c: httpx.Client, path: str, body: dict, count: int):
-    """`count` streamed requests at once, each read to its end; -> their statuses."""
-    one = streamed(c, path, body)
+    """`count` streamed requests at once, each read to its end; -> their statuses. Their tokens a
+    second together (key A's own throughput) are left in `send.tokens_per_s`."""
+    chunks: list[int] = []
+    one = streamed(c, path, body, chunks)
 
     def send():
+        chunks.clear()
+        t0 = time.perf_counter()
         with ThreadPoolExecutor(count) as pool:
-            return ",".join(sorted(set(map(str, pool.map(lambda _: one(), range(count))))))
+            statuses = ",".join(sorted(set(map(str, pool.map(lambda _: one(), range(count))))))
+        send.tokens_per_s = round(sum(chunks) / (time.perf_counter() - t0), 1)
+        return statuses
     return send
 
 
@@ -205,6 +218,8 @@ def main():
     ap.add_argument("--prefill-chunk", type=int, default=None, help="the server's prefill_chunk (default: its own)")
     ap.add_argument("--prefill-share", type=float, default=None, help="the server's prefill_share (default: its own)")
     ap.add_argument("--probe-s", type=float, default=0.25, help="seconds between key B's short requests")
+    ap.add_argument("--fair-step-cost", type=float, default=None, help="the server's fair_step_cost (default: its own; "
+                    "0: one key's streams share a step's rows with another's only past max_batch)")
     ap.add_argument("--only", default="", help="comma-separated phases to run (default: all)")
     ap.add_argument("--out", default="benchmarks/results/robustness/hostile_stall.json")
     a = ap.parse_args()
@@ -214,6 +229,8 @@ def main():
         env["LINSTREAM_PREFILL_CHUNK"] = str(a.prefill_chunk)
     if a.prefill_share is not None:
         env["LINSTREAM_PREFILL_SHARE"] = str(a.prefill_share)
+    if a.fair_step_cost is not None:
+        env["LINSTREAM_FAIR_STEP_COST"] = str(a.fair_step_cost)
     max_prompt_bytes = 16 * a.max_prompt_tokens  # the server's default
     stop = mp.Event()
     probes: list = []
@@ -242,37 +259,40 @@ def main():
                     continue
                 statuses.add(send())
                 n += 1
-            ran.append((name, twin, t0, time.perf_counter(), n, sorted(map(str, statuses))))
+            ran.append((name, twin, t0, time.perf_counter(), n, sorted(map(str, statuses)),
+                        getattr(send, "tokens_per_s", None)))
         stop.set()
         probing.set()
         arrivals = mine.recv()
         proc.join()
         probe.join()
-    rows, p99s = [], {}
-    for name, twin, t0, t1, n, statuses in ran:
+    rows, p50s, p99s = [], {}, {}
+    for name, twin, t0, t1, n, statuses, a_tokens_per_s in ran:
         g = gaps_within(arrivals, t0, t1)
         p50, p99 = pct(g, 0.5), pct(g, 0.99)
-        p99s[name] = p99
+        p50s[name], p99s[name] = p50, p99
         ratio = (lambda base: round(p99 / base, 2) if p99 and base else None)
         mine_b = [(st, dt) for t, st, dt in probes if t0 <= t <= t1]
         rows.append({"phase": name, "twin": twin, "requests": n, "statuses": statuses, "tokens": len(g),
                      "b_requests": len(mine_b), "b_failed": sum(1 for st, _ in mine_b if st != 200),
                      "b_slowest_ms": round(1000 * max(dt for _, dt in mine_b), 1) if mine_b else None,
-                     "seconds": round(t1 - t0, 1),
+                     "seconds": round(t1 - t0, 1), "a_tokens_per_s": a_tokens_per_s,
                      "p50_ms": round(1000 * p50, 2) if p50 else None, "p99_ms": round(1000 * p99, 2) if p99 else None,
                      "max_ms": round(1000 * max(g), 2) if g else None,
+                     "p50_vs_quiet": round(p50 / p50s["quiet"], 2) if p50 and p50s.get("quiet") else None,
                      "p99_vs_quiet": ratio(p99s.get("quiet")), "p99_vs_twin": ratio(p99s.get(twin))})
     print(f"{'phase':<22}{'twin':<18}{'req':>5}  {'statuses':<10}{'tokens':>7}{'p50 ms':>8}{'p99 ms':>8}"
-          f"{'max ms':>8}{'/quiet':>8}{'/twin':>7}{'B req':>7}{'B fail':>7}{'B max ms':>9}")
+          f"{'max ms':>8}{'p50/q':>7}{'/quiet':>8}{'/twin':>7}{'B req':>7}{'B fail':>7}{'B max ms':>9}{'A tok/s':>9}")
     for r in rows:
         print(f"{r['phase']:<22}{r['twin'] or '-':<18}{r['requests']:>5}  {','.join(r['statuses']) or '-':<10}"
               f"{r['tokens']:>7}{r['p50_ms'] or 0:>8.2f}{r['p99_ms'] or 0:>8.2f}{r['max_ms'] or 0:>8.2f}"
-              f"{r['p99_vs_quiet'] or 0:>8.2f}{r['p99_vs_twin'] or 0:>7.2f}{r['b_requests']:>7}{r['b_failed']:>7}"
-              f"{r['b_slowest_ms'] or 0:>9.1f}")
+              f"{r['p50_vs_quiet'] or 0:>7.2f}{r['p99_vs_quiet'] or 0:>8.2f}{r['p99_vs_twin'] or 0:>7.2f}{r['b_requests']:>7}{r['b_failed']:>7}"
+              f"{r['b_slowest_ms'] or 0:>9.1f}{r['a_tokens_per_s'] or 0:>9.1f}")
     write_json(a.out, {"command": command(), "model": a.model, "threads": 1, "phase_s": a.phase_s, "rate": a.rate,
                        "probe_s": a.probe_s,
                        "max_prompt_tokens": a.max_prompt_tokens, "prefill_chunk": a.prefill_chunk,
-                       "prefill_share": a.prefill_share, "max_prompt_bytes": max_prompt_bytes, "phases": rows})
+                       "prefill_share": a.prefill_share, "fair_step_cost": a.fair_step_cost,
+                       "max_prompt_bytes": max_prompt_bytes, "phases": rows})
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ so a served stream and an in-process one give the same tokens, text and finish.
 States live in one preallocated slot pool (`State` batched over slots); a session owns a slot.
 Each iteration of `_run` runs the queued commands (alloc/free/snapshot/restore, `call`), then:
   plan     (plan.py)    whose prefill slice runs, how long it is; which jobs end, start or step;
-                        a full step's rows shared out by key; the short pushes that run as rows
+                        a step's rows shared out by key (a full step's, or any while keys
+                        compete: plan.fair_rows); the short pushes that run as rows
                         of the step; the pool rows it runs over -> `StepPlan`
   execute  (execute.py) the prefill slice and the batched decode step; a step's rollback point
                         (rollback.py), a failed step rolled back and retried in halves
@@ -73,7 +74,7 @@ from ..core.errors import APIError
 from .emit import MaskThread, draw_tokens, first_tokens
 from .execute import prefill_slice, run_step, time_len
 from .jobs import Checkpointing, Job, JobPhase, Prefill, PrefillCancelled, run_all, settle
-from .plan import STEP_PREFILL, RowViews, ema, next_prefill, plan_step, slice_len, take_stock
+from .plan import STEP_PREFILL, RowViews, StepCosts, ema, next_prefill, plan_step, slice_len, take_stock
 from .rollback import Rollback
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ __all__ = ["Engine", "Job", "JobPhase", "Prefill", "PrefillCancelled", "STEP_PRE
 log = logging.getLogger("linstream.engine")
 
 PREFILL_SHARE = 0.5  # a prefill slice costs about this fraction of a decode iteration while streams run
+FAIR_STEP_COST = 3.0  # one-row steps a step may cost while two or more keys have work (plan.fair_rows)
 MIN_SLICE = 16  # tokens: a smaller forward pass is mostly fixed cost
 # constrained rows of a step from which their next masks go to the mask thread: handing work over
 # (waking the thread, the GIL going back and forth) costs the engine thread more than the masks
@@ -96,7 +98,7 @@ class Engine:
 
     def __init__(self, name: str, model: LM, tok: Tokenizer, slots: int, prefill_chunk: int, max_batch: int,
                  metrics: Metrics | None = None, lookahead: bool = True, compile: str = "off", prefill_share: float = PREFILL_SHARE,
-                 gemm: str = "own", step_runtime: str = "aoti") -> None:
+                 gemm: str = "own", step_runtime: str = "aoti", fair_step_cost: float = FAIR_STEP_COST) -> None:
         self.name, self.model, self.tok = name, model, tok
         self.stepper = Stepper(model, compile, gemm=gemm, runtime=step_runtime,  # model.step, compiled once warm
                                max_rows=max_batch, name=name)  # (model/compiled/stepper.py)
@@ -115,6 +117,9 @@ class Engine:
         self.prefill_share, self.min_slice = prefill_share, MIN_SLICE  # 0 = whole chunks always
         self.step_s: float | None = None  # EMA: seconds of a decode iteration that stepped
         self.token_s: float | None = None  # EMA: seconds per token of the slices sized to the budget
+        # while keys compete, a step's rows cost at most this many one-row steps (plan.fair_rows; 0 = off)
+        self.fair_step_cost = fair_step_cost
+        self.step_costs = StepCosts()  # what a decode iteration costs by its rows
         self.sampler = sample  # replaceable, for fault-injection tests
         self.grammars = Grammars(tok, model.cfg.vocab_size)  # compiled off this thread (runtime/constraints.py)
         self.mask_thread_rows = MASK_THREAD_ROWS  # masks of this many rows or more go to the mask thread
@@ -288,6 +293,7 @@ class Engine:
 
     def _decode(self) -> bool:
         """One decode step, plan -> execute -> emit; whether a stream stepped."""
+        t0 = time.perf_counter()
         starting, ready = take_stock(self)  # plan: jobs that end, start or are ready to step
         if starting:
             ready += first_tokens(self, starting)  # emit: from the logits their rows hold
@@ -296,6 +302,7 @@ class Engine:
             return False
         for out in run_step(self, plan):  # execute: the model call (in halves after a fault)
             draw_tokens(self, out.jobs, out.logits, checked=True)  # emit
+        self.step_costs.record(len(plan.rows), time.perf_counter() - t0)
         return bool(plan.jobs)
 
     def _wait_for_work(self) -> list | None:

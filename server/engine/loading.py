@@ -103,5 +103,5 @@ def load_engines(settings: Settings, metrics: Metrics) -> dict[str, Engine]:
         slots = settings.max_kv_sessions if kv else state_slots(model, settings, str(path))
         engines[served] = Engine(served, model, tok, slots, settings.prefill_chunk, settings.max_batch,
                                  metrics, settings.lookahead, settings.compile, settings.prefill_share,
-                                 settings.gemm, settings.step_runtime)
+                                 settings.gemm, settings.step_runtime, settings.fair_step_cost)
     return engines

@@ -1,12 +1,21 @@
 """The plan of one engine iteration (the first of plan → execute → emit): which push gets the
-prefill slice and how long it is, which jobs start, end or step, how a full step's rows are
-shared out by key, which short pushes run as rows of the step, and which of the slot pool's rows
-the step runs over (views of a contiguous run, a whole range that includes a few idle rows, or
-gathered copies). What it decides is a `StepPlan`; execute.py runs it."""
+prefill slice and how long it is, which jobs start, end or step, how a step's rows are shared out
+by key, which short pushes run as rows of the step, and which of the slot pool's rows the step
+runs over (views of a contiguous run, a whole range that includes a few idle rows, or gathered
+copies). What it decides is a `StepPlan`; execute.py runs it.
+
+Rows shared by key: a step's cost grows with its rows, and every stream in it waits that long for
+its next token. While one key has generations, its step carries all of them (up to `max_batch`).
+While two or more keys have work (generations or batched pushes), a step carries only as many
+rows as cost at most `fair_step_cost` one-row steps (`StepCosts`, measured), but at least one per
+key; the keys take those rows in turns (each key's first, then each one's second, ...), and a
+key's generations take theirs least recently stepped first, so none waits more than a few steps.
+A key with one stream beside another's hundred then waits a few-row step per token, not a
+hundred-row one, at the cost of the busy key's tokens/s (docs/reliability.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 
@@ -19,9 +28,12 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 EMA = 0.2  # weight of the newest measurement in the cost averages
+STALE_STEPS = 2000  # decode iterations after which a row count's measured cost is measured anew
 MAX_VIEWS = 4096  # cached row-run views: dropped all at once past this many
 ROWS_PER_IDLE_ROW = 8  # a step over a whole range of slots may include one idle row it puts back per this many
 STEP_PREFILL = 4  # tokens: a push this short costs less as compiled steps than as one chunked pass
+
+R = TypeVar("R", bound="Job | Prefill")  # a row of a step: a generation's or a batched push's
 
 
 @dataclass
@@ -67,14 +79,36 @@ def take_stock(eng: Engine) -> tuple[list[Job], list[Job]]:
 
 
 def plan_step(eng: Engine, ready: list[Job]) -> StepPlan | None:
-    """The step over the jobs ready to step (shared out by key when there are more than a step
-    holds) and the short pushes that fit beside them; None when there is nothing to step."""
-    jobs = share_rows(ready, eng.max_batch)
+    """The step over the jobs ready to step and the short pushes that fit beside them, shared
+    out by key when there are more than a step holds, or when keys compete (fair_rows); None when
+    there is nothing to step."""
     busy = {j.slot for j in eng.jobs}
-    pushes = [p for p in eng.prefills if batched_push(eng, p) and p.slot not in busy][: eng.max_batch - len(jobs)]
+    pushes = [p for p in eng.prefills if batched_push(eng, p) and p.slot not in busy]
+    n = fair_rows(eng, pushes)
+    if n is None:
+        jobs = share_rows(ready, eng.max_batch)
+        pushes = pushes[: eng.max_batch - len(jobs)]
+    else:  # each key's pushes first (a new request's prompt, a few steps), then its jobs in turn
+        least_recent = sorted(ready, key=lambda j: j.t_last or 0.0)
+        candidates: list[Job | Prefill] = [*pushes, *least_recent]
+        rows = share_rows(candidates, n)
+        jobs = [r for r in rows if isinstance(r, Job)]
+        pushes = [r for r in rows if isinstance(r, Prefill)]
     if not jobs and not pushes:
         return None
     return lay_out_rows(eng, jobs, pushes)
+
+
+def fair_rows(eng: Engine, pushes: list[Prefill]) -> int | None:
+    """The rows a step may carry while two or more keys have work (a generation, ready or not,
+    or a batched push): as many as cost at most `fair_step_cost` one-row steps, at least one per
+    key. None while one key has it all (or the share is off): then the step holds `max_batch`."""
+    if not eng.fair_step_cost:
+        return None
+    keys = {j.owner for j in eng.jobs} | {p.owner for p in pushes}
+    if len(keys) < 2:
+        return None
+    return min(eng.max_batch, max(len(keys), eng.step_costs.rows_within(eng.fair_step_cost, eng.max_batch)))
 
 
 def lay_out_rows(eng: Engine, jobs: list[Job], pushes: list[Prefill]) -> StepPlan:
@@ -145,16 +179,16 @@ def slice_len(chunk: int, min_slice: int, share: float, step_s: float | None, to
     return max(floor, min(chunk, int(share * step_s / token_s)))
 
 
-def share_rows(jobs: list[Job], n: int) -> list[Job]:
-    """At most n of the jobs ready to step, shared out by key (`owner`) when there are more:
-    each key's first job, then each one's second, and so on, so that a key with many
+def share_rows(jobs: list[R], n: int) -> list[R]:
+    """At most n of the rows ready to step (jobs, pushes), shared out by key (`owner`) when there
+    are more: each key's first, then each one's second, and so on, so that a key with many
     generations cannot leave another's without a row."""
     if len(jobs) <= n:
         return jobs
-    by_key: dict[str, list[Job]] = {}
+    by_key: dict[str, list[R]] = {}
     for j in jobs:
         by_key.setdefault(j.owner, []).append(j)
-    out: list[Job] = []
+    out: list[R] = []
     for i in range(n):
         for queue in by_key.values():
             if i < len(queue):
@@ -162,6 +196,50 @@ def share_rows(jobs: list[Job], n: int) -> list[Job]:
         if len(out) >= n:
             break
     return out[:n]
+
+
+class StepCosts:
+    """What a decode iteration (plan, step, the tokens drawn) has cost, by the rows its step
+    carried: an EMA of seconds per row count, each dropped after STALE_STEPS iterations without
+    a new measurement (the machine's load and a KV cache's length move it)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+        self.measured_at: dict[int, int] = {}  # row count -> the iteration it was last measured at
+        self.iterations = 0
+
+    def record(self, rows: int, seconds: float) -> None:
+        self.iterations += 1
+        self.seconds[rows] = ema(self.known(rows), seconds)
+        self.measured_at[rows] = self.iterations
+
+    def known(self, rows: int) -> float | None:
+        """The measured cost of a step of `rows` rows, unless none or stale."""
+        at = self.measured_at.get(rows)
+        return None if at is None or self.iterations - at > STALE_STEPS else self.seconds[rows]
+
+    def rows_within(self, multiple: float, most: int) -> int:
+        """The most rows (at most `most`) a step may carry while it costs at most `multiple` one-row
+        steps: counts measured within that, then the next count, unmeasured, to measure it by
+        trying it; never a count measured over it. The one-row cost is the last measured, however
+        old (while keys compete, one-row steps are rare); never measured, it counts as a row of
+        the smallest step measured (rows cost less together, so at most what one row alone costs;
+        nothing measured: one row)."""
+        one = self.seconds.get(1)
+        if one is None:
+            fresh = [r for r in self.seconds if self.known(r) is not None]
+            if not fresh:
+                return 1
+            one = self.seconds[min(fresh)] / min(fresh)
+        n = 1
+        while n < most:
+            cost = self.known(n + 1)
+            if cost is None:
+                return n + 1
+            if cost > multiple * one:
+                return n
+            n += 1
+        return n
 
 
 def idle_rows_cheap(rows: list[int]) -> bool:
