@@ -1,11 +1,11 @@
 """docs/clients.md and README.md's "Use it", run: every command and snippet against a real
-`linstream serve` of the shipped models (the docs' outputs come from them), or held to what it
-needs where the test extra leaves its tool out (NEEDS; the doc's block says so). `pip install`
-lines name the project's declared dependencies; the README's set-up is what .ci/run runs.
-lm-eval and guidellm's lines are also checked against what they need (read off the tools'
-packaging once): lm-eval's API models need its [api] extra and transformers; guidellm's torch
-pulled from the CUDA index unless the CPU build is installed first (the version this checkout
-runs); guidellm's reports kept out of the checkout."""
+`linstream serve` of the shipped models (the docs' outputs come from them); the lm-eval and
+guidellm blocks, whose tools the test extra leaves out (NEEDS; the doc's block says so), with
+`pytest -m interop`, which .ci/run runs after installing the interop extra. `pip install` lines
+name the project's declared dependencies and are what .ci/run runs; the README's set-up is too.
+What the tools need was read off their packaging once: lm-eval's API models need its [api]
+extra and transformers; guidellm's torch is the CUDA build unless the CPU build is in place
+first (the README's install, before the extra); guidellm's reports are kept out of the checkout."""
 import contextlib
 import io
 import json
@@ -30,15 +30,19 @@ def section(title: str) -> str:
     return DOC.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
-def test_lm_eval_install_names_its_api_extra_and_transformers():
-    assert 'pip install "lm-eval[api]" transformers' in section("lm-eval")
-
-
-def test_guidellm_installs_cpu_torch_first_and_writes_its_reports_elsewhere():
+def test_the_interop_install_is_what_ci_runs_after_the_readmes():
+    """The doc's one install line is .ci/run's, after the README's install (which puts the torch
+    this checkout runs in place first) and before `pytest -m interop`; the extra holds what the
+    tools' blocks need; guidellm's reports go to a folder of their own."""
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    pips = [c for c in commands(DOC) if kind(c) == "pip"]
+    readmes = blocks(SET_UP, "bash")[0].strip().removesuffix(" && linstream serve")
+    assert pips == ['pip install -e ".[interop]"']
+    assert ci.index(readmes) < ci.index(pips[0]) < ci.index("pytest -m interop")
+    assert re.match(r"pip install torch==(\S+) && ", readmes).group(1) == torch.__version__.split("+")[0]
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["interop"]
+    assert {"lm-eval[api]", "transformers", "guidellm"} <= {re.match(r"[\w.-]+(\[[^\]]*\])?", r).group(0) for r in extra}
     text = section("guidellm")
-    pinned = re.search(r"pip install torch==(\S+) --index-url https://download.pytorch.org/whl/cpu", text)
-    assert pinned and pinned.group(1) == torch.__version__.split("+")[0]  # the version this checkout runs
-    assert text.index("\npip install torch==") < text.index("\npip install guidellm\n")
     assert "GUIDELLM__DEFAULT_RESULTS_DIR=$out guidellm run" in text and "out=$(mktemp -d)" in text
 
 
@@ -75,11 +79,14 @@ def blocks(text: str, lang: str) -> list[str]:
 
 def steps(text: str) -> list[tuple[str, str | None]]:
     """The shell commands of `text`'s bash blocks, continuation lines joined, comments left out,
-    each with the output the doc shows for it (a `# -> ` line after it) or None."""
+    each with the output the doc shows for it (a `# -> ` line after it, and the `#    ` lines that
+    go on from it, as ` / `) or None."""
     out: list[tuple[str, str | None]] = []
     for ln in "\n".join(blocks(text, "bash")).replace("\\\n", " ").splitlines():
         if ln.startswith("# -> ") and out:
             out[-1] = (out[-1][0], ln.removeprefix("# -> "))
+        elif ln.startswith("#    ") and out and out[-1][1] is not None:
+            out[-1] = (out[-1][0], f"{out[-1][1]} / {ln.removeprefix('#    ')}")
         elif ln.strip() and not ln.lstrip().startswith("#"):
             out.append((re.sub(r"\s+# .*", "", ln).strip(), None))
     return out
@@ -114,9 +121,11 @@ def test_pip_install_names_are_the_projects_dependencies():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = {re.match(r"[\w.-]+(\[[^\]]*\])?", r).group(0)
                 for r in meta["dependencies"] + sum(meta["optional-dependencies"].values(), [])}
+    extras = set(meta["optional-dependencies"])
     for cmd in (c for c in commands(DOC) if kind(c) == "pip"):
-        names = [a.strip('"') for a in cmd.split()[2:] if not a.startswith(("-", "https:"))]
-        assert names and all(n.split("==")[0] in declared for n in names), cmd
+        names = [a.strip('"') for a in cmd.split()[2:] if not a.startswith("-")]
+        assert names and all(n.split("==")[0] in declared or (n.startswith(".[") and set(n[2:-1].split(",")) <= extras)
+                             for n in names), cmd  # a declared package, or this project with its extras
 
 
 def test_the_readmes_set_up_is_what_ci_runs():
@@ -135,20 +144,21 @@ def served():
     srv.stop()
 
 
-def shell_all(cmds: list[str], url: str, cwd: Path, stdin: str = "") -> list[str]:
+def shell_all(cmds: list[str], url: str, cwd: Path, stdin: str = "", env: dict | None = None,
+              timeout: float = 60) -> list[str]:
     """What each of `cmds` prints (stdout, then stderr), run in bash at once (each start is mostly
     Python's imports)."""
     procs = [subprocess.Popen(["bash", "-c", ADDRESS.sub(url.removeprefix("http://"), cmd)], cwd=cwd, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**os.environ, "LINSTREAM_URL": url}) for cmd in cmds]
-    outs = [p.communicate(stdin, timeout=60) for p in procs]
+                              env={**os.environ, "LINSTREAM_URL": url, **(env or {})}) for cmd in cmds]
+    outs = [p.communicate(stdin, timeout=timeout) for p in procs]
     for cmd, p, (out, err) in zip(cmds, procs, outs):
         assert p.returncode == 0, (cmd, out, err)
     return [out + err for out, err in outs]
 
 
-def shell(cmd: str, url: str, cwd: Path, stdin: str = "") -> str:
-    return shell_all([cmd], url, cwd, stdin)[0]
+def shell(cmd: str, url: str, cwd: Path, stdin: str = "", **kw) -> str:
+    return shell_all([cmd], url, cwd, stdin, **kw)[0]
 
 
 def test_the_cli_commands(served, tmp_path):
@@ -228,13 +238,23 @@ def test_the_echo_figure_the_lm_eval_section_quotes(served):
     assert re.search(rf"bits_per_byte\s*\|↓\s*\|\s*{bpb:.4f}\|", quoted)
 
 
-@pytest.mark.slow  # the tools' imports and runs take several seconds
+@pytest.mark.interop  # each tool's imports and run take tens of seconds on two cores
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("tool", NEEDS)
-def test_the_lm_eval_and_guidellm_blocks(served, tool):
+def test_the_lm_eval_and_guidellm_blocks(served, tool, tmp_path):
+    """The block as written (lm-eval's task is one 349-byte document, guidellm's five requests of
+    32 tokens), in one shell from the repository root, with what it shows. `mktemp -d` makes
+    guidellm's folder under the test's own, and a fresh Hugging Face cache shows that nothing is
+    fetched."""
     if shutil.which(tool) is None:
+        assert not os.environ.get("CI"), f"{tool} is not installed: .ci/run installs the interop extra"
         pytest.skip(f"{tool} is not installed (the interop extra)")
-    text = section({"lm_eval": "lm-eval", "guidellm": "guidellm"}[tool])
-    block = next(b for b in blocks(text, "bash") if tool in b)
-    # guidellm's five requests cut to two; lm_eval's task is one 349-byte document, run as written
-    out = shell("set -e\n" + block.replace("count=5", "count=2"), served.url, ROOT)
-    assert ("bits_per_byte" in out) if tool == "lm_eval" else ("benchmarks.json" in out), out
+    block = next(b for b in blocks(section({"lm_eval": "lm-eval", "guidellm": "guidellm"}[tool]), "bash") if tool in b)
+    out = shell("set -e\n" + block, served.url, ROOT, env={"TMPDIR": str(tmp_path), "HF_HOME": str(tmp_path / "hf")},
+                timeout=500)
+    shown = [s for _, s in steps(f"```bash\n{block}```") if s]
+    assert shown and all(shows(s, out) for s in shown), (shown, out)
+    if tool == "guidellm":  # its reports in the folder made for them, none in the checkout
+        assert sorted(p.name for p in tmp_path.glob("tmp.*/*")) == ["benchmarks.csv", "benchmarks.json"]
+        assert not {"benchmarks.csv", "benchmarks.json"} & {p.name for p in ROOT.iterdir()}

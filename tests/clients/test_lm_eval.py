@@ -1,4 +1,4 @@
-"""lm-eval's `local-completions` against a real server (optional: skipped without lm-eval): the
+"""lm-eval's `local-completions` against a real server (`pytest -m interop`; skipped without lm-eval): the
 shipped tokenizer folder loads offline through HF AutoTokenizer, lm-eval sends token-id prompts,
 and the bits per byte it reports equal what the echo API gives for the same text."""
 import math
@@ -9,6 +9,7 @@ import pytest
 from tests.helpers import ROOT, ServerProcess, make_checkpoint
 
 pytest.importorskip("lm_eval")
+pytestmark = [pytest.mark.interop, pytest.mark.slow]  # lm-eval's imports alone take seconds
 
 
 def test_lm_eval_bits_per_byte_equals_the_echo_api(tmp_path, monkeypatch):
@@ -30,7 +31,7 @@ def test_lm_eval_bits_per_byte_equals_the_echo_api(tmp_path, monkeypatch):
         text = (ROOT / "benchmarks/peers/lm_eval_task/sample.txt").read_text()
         tok = AutoTokenizer.from_pretrained(str(ckpt))
         ids = httpx.post(srv.url + "/tokenize", json={"prompt": text}).json()["tokens"]
-        assert tok.encode(text) == ids and tok.decode([tok.bos_token_id]) == "\n"  # the document boundary
+        assert tok.encode(text) == ids and tok.decode([tok.bos_token_id]) == "<|endoftext|>"  # the document boundary
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": [tok.bos_token_id] + ids, "max_tokens": 0,
                                                            "echo": True, "logprobs": 0}).json()
         nats = -sum(r["choices"][0]["logprobs"]["token_logprobs"][1:])

@@ -120,6 +120,7 @@ def test_legacy_top_logprobs_hold_the_sampled_token(client):
 
 
 @pytest.mark.slow  # litellm takes several seconds to import
+@pytest.mark.interop  # litellm is in the interop extra
 def test_litellm_maps_the_errors(server):
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network fetch at import
     litellm = pytest.importorskip("litellm")
