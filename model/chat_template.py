@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import NoReturn
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -33,7 +34,7 @@ class TemplateError(ValueError):
     """A template that does not parse or render: the message says which and why, in one line."""
 
 
-def _raise(message: str):
+def _raise(message: str) -> NoReturn:
     raise TemplateError(message)  # templates call raise_exception() to refuse a conversation
 
 
@@ -52,7 +53,7 @@ class ChatTemplate:
     bos_token: str = ""
     compiled: jinja2.Template = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "compiled", _env().from_string(self.text))
         except jinja2.TemplateSyntaxError as e:

@@ -33,7 +33,8 @@ import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, BinaryIO
 
 import torch
 from torch import Tensor, nn
@@ -102,7 +103,7 @@ class CheckpointDir:
                                   "; a checkpoint's files must be regular files")
         return real
 
-    def open(self, name: str):
+    def open(self, name: str) -> BinaryIO | None:
         """`name` opened for reading (a regular file inside: `file`), or None where there is none."""
         real = self.file(name)
         if real is None:
@@ -124,7 +125,7 @@ class CheckpointDir:
             raise CheckpointError(f"{name} is larger than {limit >> 20} MiB, more than such a file holds")
         return data
 
-    def json(self, name: str, default=None, limit: int = MAX_JSON_BYTES):
+    def json(self, name: str, default: object = None, limit: int = MAX_JSON_BYTES) -> Any:
         """`name` parsed; `default` where the file is absent (None: absent is an error)."""
         data = self.read(name, limit)
         if data is None:
@@ -168,6 +169,8 @@ class CheckpointDir:
 
     def _header(self, shard: str) -> dict[str, Stored]:
         f = self.open(shard)
+        if f is None:  # shards() found it; gone since
+            raise CheckpointError(f"{shard} is missing")
         with f:
             size = os.fstat(f.fileno()).st_size
             n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
@@ -200,7 +203,7 @@ class CheckpointDir:
         return out
 
 
-def _count(v) -> bool:
+def _count(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
@@ -219,7 +222,7 @@ def map_tensor(s: Stored) -> Tensor:
     return torch.frombuffer(m, dtype=s.dtype, count=numel, offset=s.start - page).view(s.shape)
 
 
-def layer_count(names, pattern: str = r"blocks\.(\d+)\.") -> int:
+def layer_count(names: Iterable[str], pattern: str = r"blocks\.(\d+)\.") -> int:
     """How many blocks the tensor names hold (the highest index + 1)."""
     found = [int(m.group(1)) for n in names if (m := re.match(pattern, n))]
     return max(found) + 1 if found else 0
@@ -256,7 +259,7 @@ _INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_n
 
 
 @contextlib.contextmanager
-def parameters_on_meta():
+def parameters_on_meta() -> Iterator[None]:
     """Modules built inside hold their parameters on the meta device (no memory) and their buffers
     as usual: the buffers a checkpoint does not store (fixed decays, rotary frequencies) are
     computed by the constructors and small. torch.nn.init's functions do nothing meanwhile: the
@@ -265,7 +268,7 @@ def parameters_on_meta():
     register = nn.Module.register_parameter
     inits = {name: getattr(nn.init, name) for name in _INITS}
 
-    def on_meta(self, name, param):
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta":
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(self, name, param)
@@ -329,7 +332,7 @@ def load_weights(model: nn.Module, stored: dict[str, Stored], dtype: torch.dtype
     return h.hexdigest()
 
 
-def _serve(model: nn.Module, name: str, weight: Tensor, bias: Tensor | None, how: Callable[[nn.Linear], nn.Module]):
+def _serve(model: nn.Module, name: str, weight: Tensor, bias: Tensor | None, how: Callable[[nn.Linear], nn.Module]) -> None:
     """Module `name` (an nn.Linear on meta) replaced by how(an nn.Linear over these tensors)."""
     with torch.device("meta"):
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)

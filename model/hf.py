@@ -20,6 +20,7 @@ import logging
 import math
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from .checkpoint import (
     PICKLED,
     CheckpointDir,
     CheckpointError,
+    Stored,
     check_depth,
     check_shapes,
     load_weights,
@@ -92,7 +94,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
     kind = panel_kind() if pack else None
     key = weight_cache.cache_key(stored, cfg.to_json(), fmt, kind) \
         if cache is not None and (pack or fmt != stored_format(stored)) else None
-    file = cache / f"{key}.safetensors" if key else None
+    file = cache / f"{key}.safetensors" if key and cache is not None else None
     if file is not None and file.exists():
         try:
             return _cached(model, file, fmt, pack, tie), tok
@@ -116,7 +118,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
     return model.eval(), tok
 
 
-def _cached(model: LM, file: Path, fmt: str, pack: bool, tie) -> LM:
+def _cached(model: LM, file: Path, fmt: str, pack: bool, tie: tuple[str, str] | None) -> LM:
     """`model` (on meta) converted as load_checkpoint would, its tensors mapped from the cache `file`."""
     t0 = time.perf_counter()
     model._num_params = model.num_params()
@@ -132,7 +134,7 @@ def _cached(model: LM, file: Path, fmt: str, pack: bool, tie) -> LM:
     return model.eval()
 
 
-def _serving(m: nn.Module, fmt: str, pack: bool):
+def _serving(m: nn.Module, fmt: str, pack: bool) -> Callable[[nn.Linear], nn.Module] | None:
     """How load_weights serves the nn.Linear `m` in `fmt` (packed or not), or None: as stored,
     cast to float32."""
     if type(m) is not nn.Linear:
@@ -158,7 +160,7 @@ def stored_format(stored: dict) -> str:
     for s in stored.values():
         if s.dtype.is_floating_point and len(s.shape) == 2:
             held[s.dtype] = held.get(s.dtype, 0) + s.end - s.start
-    return STORED_FORMATS.get(max(held, key=held.get), "float32") if held else "float32"
+    return STORED_FORMATS.get(max(held, key=lambda d: held[d]), "float32") if held else "float32"
 
 
 def _trim() -> None:
@@ -190,7 +192,8 @@ def check_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float3
     _prepare(path, device, dtype, weights, chat_template)
 
 
-def _prepare(path, device: str, dtype: str, weights: str, chat_template: str | Path | None = None):
+def _prepare(path: str | Path, device: str, dtype: str, weights: str,
+             chat_template: str | Path | None = None) -> tuple[LM, dict[str, Stored], Tokenizer]:
     """(the model with its parameters on the meta device, the stored tensors by the model's names,
     the tokenizer), everything checked."""
     if dtype not in DTYPES:
@@ -354,7 +357,7 @@ def _hf_config(hf: dict) -> ModelConfig:
 
 # fla's layers: mixer name, the config.json options each computes with fla's defaults, the block's
 # activation, norm eps and MLP ratio defaults, chunk length
-_FLA = {
+_FLA: dict[str, tuple[str, dict[str, object], str, float, float, int]] = {
     "GLAForCausalLM": ("fla-gla", {
         "expand_k": 0.5, "expand_v": 1.0, "num_kv_heads": None, "feature_map": None, "use_short_conv": False,
         "use_output_gate": True, "clamp_min": None, "elementwise_affine": True, "fuse_norm": True},
@@ -497,8 +500,8 @@ def _special_ids(ckpt: CheckpointDir, hf: dict, tok: Tokenizer) -> tuple[frozens
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
             t = ckpt.json(name, default={}).get(f"{key}_token")
             t = t.get("content") if isinstance(t, dict) else t
-            if isinstance(t, str) and tok.hf.token_to_id(t) is not None:
-                return [tok.hf.token_to_id(t)]
+            if isinstance(t, str) and (i := tok.hf.token_to_id(t)) is not None:
+                return [i]
         return []
     eos, bos = ids("eos"), ids("bos")
     return frozenset(eos), (bos[0] if bos else None)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 from .mixers.registry import build_mixer
-from .state import State
+from .state import LayerState, State
 
 
 class RMSNorm(nn.Module):
@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(d))
 
-    def forward(self, x):
+    def forward(self, x: Tensor) -> Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight  # (..., D)
 
 
@@ -38,7 +38,7 @@ class MLP(nn.Module):
         super().__init__()
         self.up, self.down = nn.Linear(d, int(ratio * d), bias=False), nn.Linear(int(ratio * d), d, bias=False)
 
-    def forward(self, x):
+    def forward(self, x: Tensor) -> Tensor:
         return self.down(F.gelu(self.up(x)))  # (..., D) -> (..., ratio * D) -> (..., D)
 
 
@@ -51,7 +51,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp_ratio else None
         self.mlp = MLP(cfg.d_model, cfg.mlp_ratio) if cfg.mlp_ratio else None
 
-    def forward(self, x, state, pos, form: str, carry=None):
+    def forward(self, x: Tensor, state: LayerState | None, pos: Tensor | None, form: str,
+                carry: Tensor | None = None) -> tuple[Tensor, LayerState | None, Tensor | None]:
         """-> (x, state, carry): carry is what a `carries` mixer hands the next block (None otherwise).
         x (B, T, D) for 'forward' and 'naive', (B, D) for 'step'; the output has x's shape."""
         run, h = getattr(self.mixer, form), x if self.norm1 is None else self.norm1(x)
@@ -80,7 +81,7 @@ class LM(nn.Module):
         self._num_params: int | None = None  # set when projections become int8 buffers (model/compiled/lowp.py)
 
     @staticmethod
-    def _init(m):
+    def _init(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
 
@@ -98,7 +99,8 @@ class LM(nn.Module):
                      [dict(b.mixer.time_dims) for b in self.blocks],
                      torch.zeros(batch, self.cfg.vocab_size, device=dev, dtype=dt))
 
-    def forward(self, tokens: Tensor, state: State | None = None, form: str = "forward", last_only: bool = False):
+    def forward(self, tokens: Tensor, state: State | None = None, form: str = "forward",
+                last_only: bool = False) -> tuple[Tensor, State | None]:
         """tokens (B, T). form 'forward' is the chunked/parallel path; 'naive' the token loop.
         With state=None the pass starts from zero and returns no state (training). last_only:
         the logits of the last position only, (B, 1, V) (a prompt's prefill needs no others: the
@@ -118,7 +120,7 @@ class LM(nn.Module):
             return logits, state
         return logits, State(new, state.position + tokens.shape[1], state.time_dims, logits[:, -1])
 
-    def step(self, tokens: Tensor, state: State):
+    def step(self, tokens: Tensor, state: State) -> tuple[Tensor, State]:
         """One token per row: tokens (B,), rows may sit at different positions. The state's
         tensors are updated where they lie (the recurrent mixers' S/z/h, the KV caches) or come
         back new (conv tails); either way the returned State holds the result. Keep a copy
@@ -126,7 +128,7 @@ class LM(nn.Module):
         logits, new = self.step_layers(tokens, state.layers, state.position)
         return logits, State(new, state.position + 1, state.time_dims, logits)
 
-    def step_layers(self, tokens: Tensor, layers: list[dict[str, Tensor]], position: Tensor):
+    def step_layers(self, tokens: Tensor, layers: list[LayerState], position: Tensor) -> tuple[Tensor, list[LayerState]]:
         """`step` on plain tensors: (logits (B, V) float32, new layers). What model/compiled/stepper.py compiles."""
         x = self.embed(tokens.to(self.embed.weight.device))  # (B, D)
         new, carry = [], None

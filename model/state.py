@@ -32,10 +32,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+LayerState = dict[str, Tensor]  # one layer's state: name -> tensor batched on dim 0 (a mixer's init_state)
+
 
 @dataclass
 class State:
-    layers: list[dict[str, Tensor]]  # per layer, name -> tensor batched on dim 0
+    layers: list[LayerState]  # per layer
     position: Tensor  # (B,) int64, tokens consumed so far per row
     time_dims: list[dict[str, int]]  # per layer, growing tensors -> their time dim (KV caches)
     next_logits: Tensor  # (B, V) float, logits for the token after position - 1

@@ -5,8 +5,11 @@ model's `generate`, the peer both compare against (benchmarks.peers.hf_peer, `be
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from .generate import prefill
 from .lm import LM
@@ -20,7 +23,7 @@ def state_at(model: LM, position: int, seed: int = 0) -> State:
     return prefill(model, ids, model.init_state(1))
 
 
-def time_steps(step, state: State, steps: int, warmup: int = 5) -> list[float]:
+def time_steps(step: LM | Callable[[Tensor, State], tuple[Tensor, State]], state: State, steps: int, warmup: int = 5) -> list[float]:
     """Seconds per decode step (step: an LM, or any function like LM.step). Works on a copy:
     decode writes states in place."""
     step = step.step if isinstance(step, LM) else step
@@ -36,7 +39,7 @@ def time_steps(step, state: State, steps: int, warmup: int = 5) -> list[float]:
     return out
 
 
-def generate_ms_per_token(hf, ids: torch.Tensor, m: int) -> float:
+def generate_ms_per_token(hf: Any, ids: torch.Tensor, m: int) -> float:
     """ms per generated token of a transformers model's greedy `generate` from ids (1, n):
     (m+1 new tokens - 1 new token) / m, so the prompt's prefill cancels out."""
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)

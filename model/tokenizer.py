@@ -12,9 +12,13 @@ import argparse
 import codecs
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
+
+if TYPE_CHECKING:
+    from .chat_template import ChatTemplate
 
 # special tokens after the BPE's own ids (2048, 2049 in the shipped vocabulary): the end of a turn
 # (a speech; the chat template's eos_token) and of a document (a scene or a play; its bos_token)
@@ -41,7 +45,7 @@ class Tokenizer:
     tokens (imported checkpoints round it up); such ids and special tokens decode to no bytes."""
     eos_ids: frozenset[int] = frozenset()  # generation stops at any of these (the checkpoint's eos token)
     bos_id: int | None = None
-    chat_template = None  # the checkpoint's (model/chat_template.py), set where it is loaded (model/hf.py)
+    chat_template: ChatTemplate | None = None  # the checkpoint's (model/chat_template.py), set where it is loaded (model/hf.py)
 
     def __init__(self, path: str | Path, vocab_size: int | None = None, text: str | None = None):
         # text: the file's contents, already read (model/hf.py reads it once, bounded, to check it)

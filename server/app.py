@@ -1,14 +1,17 @@
 """The FastAPI app: models load once in the lifespan and live on app.state.runtime."""
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .api.connections import BodyTimeout
 from .api.hot_routes import HotRoutes
@@ -38,10 +41,10 @@ class BodyLimit:
     body is JSON, parsed whole on the event loop, so it gets the smaller `json_limit`, sized to the
     prompt limits."""
 
-    def __init__(self, app, limit: int, json_limit: int):
+    def __init__(self, app: ASGIApp, limit: int, json_limit: int) -> None:
         self.app, self.limit, self.json_limit = app, limit, json_limit
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
@@ -57,7 +60,7 @@ class BodyLimit:
             return await _reject(send, message)
         seen = 0
 
-        async def limited():
+        async def limited() -> Message:
             nonlocal seen
             msg = await receive()
             if msg["type"] == "http.request":
@@ -72,21 +75,21 @@ class ReplicaHeader:
     """ASGI middleware: every response names the replica that made it (X-Linstream-Replica), so
     that a client or a proxy can see where a session is served (docs/scaling.md)."""
 
-    def __init__(self, app, name: str):
+    def __init__(self, app: ASGIApp, name: str) -> None:
         self.app, self.header = app, (b"x-linstream-replica", name.encode("latin-1", "replace"))
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
-        async def named(msg):
+        async def named(msg: Message) -> None:
             if msg["type"] == "http.response.start":
                 msg["headers"] = [*msg.get("headers", ()), self.header]
             await send(msg)
         await self.app(scope, receive, named)
 
 
-async def _reject(send, message: str):
+async def _reject(send: Send, message: str) -> None:
     """413 before the body is read. The unread body would otherwise be parsed as the connection's
     next request (431 or garbage for a keep-alive client), so the connection closes after it."""
     import json
@@ -103,7 +106,7 @@ ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error":
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 
 
-def _openapi(app: FastAPI) -> dict:
+def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema, with every error documented as what the server really sends:
     {"error": {"message", "type", "param", "code"}} for any 4XX/5XX (FastAPI's own 422 shape is never used)."""
     if app.openapi_schema:
@@ -129,7 +132,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         rt = Runtime(settings)
         rt.start()
         app.state.runtime = rt
@@ -143,7 +146,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     for r in (sessions.router, openai.router, responses.router, system.router, docs.router):
         app.include_router(r)
-    app.openapi = lambda: _openapi(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to extend its schema
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_api_route("/", lambda: FileResponse(STATIC / "index.html", headers=PAGE_HEADERS), include_in_schema=False)
     app.add_middleware(HotRoutes)  # innermost: inside the body's limits

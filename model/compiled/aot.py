@@ -53,6 +53,7 @@ import zipfile
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -60,6 +61,10 @@ from torch._C._aoti import alloc_tensors_by_stealing_from_void_ptrs, unsafe_allo
 
 from .. import kernels
 from ..lm import LM
+from ..state import LayerState
+
+if TYPE_CHECKING:  # stepper imports this module
+    from .stepper import Progress
 
 log = logging.getLogger("linstream.compiled")
 
@@ -92,13 +97,14 @@ class _Segment(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(model.blocks[lo:hi])
         self.embed = model.embed if embed else None
-        self.norm, self.head = (model.norm, model.head) if head else (None, None)
+        self.norm: nn.Module | None = model.norm if head else None
+        self.head: nn.Module | None = model.head if head else None
         carried = [any(getattr(b.mixer, "carries", False) for b in model.blocks[:i + 1]) for i in range(len(model.blocks))]
         self.carry_in = lo > 0 and carried[lo - 1]
         self.carry_out = hi < len(model.blocks) and carried[hi - 1]
         self.names = names  # each block's state tensors' names, in order
 
-    def forward(self, x: Tensor, position: Tensor, *rest: Tensor):
+    def forward(self, x: Tensor, position: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
         if self.embed is not None:
             x = self.embed(x)  # (B, D)
         carry = rest[0] if self.carry_in else None
@@ -107,7 +113,7 @@ class _Segment(nn.Module):
         for block, names in zip(self.blocks, self.names):
             x, s, carry = block(x, {n: next(it) for n in names}, position, "step", carry)  # (B, D)
             new += [s[n] for n in names]
-        out = self.head(self.norm(x)).float() if self.head is not None else x  # (B, V) or (B, D)
+        out = self.head(self.norm(x)).float() if self.head is not None and self.norm is not None else x  # (B, V) or (B, D)
         return (out, *([carry] if self.carry_out else []), *new)
 
     def tensors(self) -> list[tuple[str, Tensor]]:
@@ -135,7 +141,7 @@ class _WeightsIn(nn.Module):
         self.__dict__["segment"] = segment
         self.weight_names = names
 
-    def forward(self, x: Tensor, position: Tensor, *rest: Tensor):
+    def forward(self, x: Tensor, position: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
         k = len(rest) - len(self.weight_names)
         return torch.func.functional_call(self.segment, dict(zip(self.weight_names, rest[k:])), (x, position, *rest[:k]))
 
@@ -220,7 +226,7 @@ class _Library:
         self._check(self._run(self._handle, inputs, len(inputs), outputs, len(outputs), None, None), "run")
         return alloc_tensors_by_stealing_from_void_ptrs([_capsule(p, None, None) for p in outputs])
 
-    def __del__(self):
+    def __del__(self) -> None:
         handle = getattr(self, "_handle", None)
         if handle is not None and handle.value:
             self._lib.AOTInductorModelContainerDelete(handle)
@@ -241,13 +247,15 @@ class _Held:
         # tokens before the step instead of beside it, the step waiting (docs/benchmarks.md, one
         # stream's gap)
         fn = kernels.new_handles()
-        self._new = ctypes.PYFUNCTYPE(fn.restype, *fn.argtypes)(ctypes.cast(fn, ctypes.c_void_p).value)
+        address = ctypes.cast(fn, ctypes.c_void_p).value
+        assert address is not None  # a function of a loaded library
+        self._new = ctypes.PYFUNCTYPE(ctypes.c_int, *fn.argtypes)(address)  # fn.restype (model/kernels)
 
     def copy_to(self, address: int) -> None:
         if self._new(ctypes.addressof(self._handles), len(self.tensors), address):
             raise RuntimeError("could not hand the step its weights")
 
-    def __del__(self):
+    def __del__(self) -> None:
         handles = getattr(self, "_handles", None)
         if handles is not None:  # the handles made once, dropped with the tensors they hold
             alloc_tensors_by_stealing_from_void_ptrs([_capsule(p, None, None) for p in handles])
@@ -296,7 +304,8 @@ class AotStep:
         return list(dict.fromkeys(p.library.path for p in self.pieces))
 
     @classmethod
-    def build(cls, model: LM, options: dict, min_rows: int, max_rows: int, cache_dir: Path, progress=None) -> AotStep:
+    def build(cls, model: LM, options: dict, min_rows: int, max_rows: int, cache_dir: Path,
+              progress: Progress | None = None) -> AotStep:
         """The libraries for this model and settings: loaded from cache_dir, or exported and built
         there first (an export and a C++ build each: slow, hence the cache). `progress` (stepper.Progress)
         is told the pieces done of the pieces to do."""
@@ -367,7 +376,7 @@ class AotStep:
         carry = [carry] if segment.carry_in else []
         args = (x, torch.zeros(rows, dtype=torch.long), *carry, *state)
         batch = torch.export.Dim("batch", min=min_rows, max=max_rows)
-        rest = tuple({0: batch} for _ in (*carry, *state))
+        rest: tuple[dict[int, object] | None, ...] = tuple({0: batch} for _ in (*carry, *state))
         library.parent.mkdir(parents=True, exist_ok=True)
         # no_grad for both: inductor freezes the weights (and packs them) only outside autograd
         with torch.no_grad(), tempfile.TemporaryDirectory(dir=library.parent) as tmp:
@@ -393,7 +402,7 @@ class AotStep:
                 z.extract(members[0], tmp)
             os.replace(Path(tmp) / members[0], library)  # atomic: a reader sees the whole library or none
 
-    def __call__(self, tokens: Tensor, layers: list[dict[str, Tensor]], position: Tensor):
+    def __call__(self, tokens: Tensor, layers: list[LayerState], position: Tensor) -> tuple[Tensor, list[LayerState]]:
         """step_layers(tokens, layers, position): (logits (B, V), layers updated in place). The
         inputs must be contiguous, of the warm-up's dtypes and row shapes (Stepper._fits)."""
         x = tokens if self.embed is None else self.embed(tokens)  # (B,) ids, or (B, D): the embedding is a gather

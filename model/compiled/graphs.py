@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from ..lm import LM
+from ..state import LayerState
 
 log = logging.getLogger("linstream.graphs")
 
@@ -62,7 +64,7 @@ class GraphStep:
         self.tokens = torch.zeros(max_rows, dtype=torch.long, device=dev)
         self.position, self.layers = st.position, st.layers
         self.sizes = buckets(max_rows)
-        self.graphs: dict[int, tuple[object, Tensor]] = {}  # rows -> (graph, its logits)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # rows -> (graph, its logits)
         self.heads: dict[int, tuple[Tensor, list[Tensor]]] = {}  # B -> the first B rows of the inputs (views)
         self.pool = torch.cuda.graph_pool_handle() if self.replay else None  # one memory pool for all graphs
         self.stream = torch.cuda.Stream(dev) if self.replay else None  # this step's own, for warm-up and capture
@@ -91,7 +93,7 @@ class GraphStep:
         """The bucket a batch of B rows (1 <= B <= max_rows) steps in."""
         return next(b for b in self.sizes if b >= B)
 
-    def capture_all(self, progress=None) -> None:
+    def capture_all(self, progress: Callable[[int, float], None] | None = None) -> None:
         """Capture every bucket now (at start-up), smallest first; `progress(rows, seconds)` after each."""
         for rows in self.sizes:
             t0 = time.perf_counter()
@@ -99,12 +101,12 @@ class GraphStep:
             if progress:
                 progress(rows, time.perf_counter() - t0)
 
-    def _graph(self, rows: int):
+    def _graph(self, rows: int) -> tuple[torch.cuda.CUDAGraph, Tensor] | None:
         if rows not in self.graphs and self.replay:
             self.graphs[rows] = self._capture(rows)
         return self.graphs.get(rows)
 
-    def _capture(self, rows: int) -> tuple[object, Tensor]:
+    def _capture(self, rows: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         t0 = time.perf_counter()
         side = self.stream
         assert side is not None  # made where graphs are replayed
@@ -123,8 +125,8 @@ class GraphStep:
         self.capture_s += time.perf_counter() - t0
         return graph, logits
 
-    def __call__(self, tokens: Tensor, layers: list[dict[str, Tensor]], position: Tensor
-                 ) -> tuple[Tensor, list[dict[str, Tensor]]]:
+    def __call__(self, tokens: Tensor, layers: list[LayerState], position: Tensor
+                 ) -> tuple[Tensor, list[LayerState]]:
         """`LM.step_layers(tokens, layers, position)`: logits (B, V) float32 (a tensor of its own),
         and `layers` themselves, updated in place. The caller moves position on, as after
         step_layers."""
@@ -141,7 +143,9 @@ class GraphStep:
         tok.copy_(tokens, non_blocking=True)  # (the engine's token ids come from the host)
         torch._foreach_copy_(head, mine)
         if self.replay:
-            graph, logits = self._graph(rows)
+            captured = self._graph(rows)
+            assert captured is not None  # replay: captured here if not before
+            graph, logits = captured
             graph.replay()
         else:
             with torch.no_grad():

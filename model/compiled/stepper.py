@@ -57,6 +57,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,7 +67,7 @@ from .. import CACHE_DIR
 from ..kernels import aoti_options, compiler, unavailable
 from ..kernels import kind as kernel_kind
 from ..lm import LM
-from ..state import State
+from ..state import LayerState, State
 from .aot import AotStep
 from .gemm import GEMMS, IN_PLACE_BYTES, own_kind, pack_in_place, packed_in_place, projection_bytes, twin
 from .graphs import GraphStep
@@ -78,11 +79,14 @@ AOT_MIN_ROWS = 1  # export keeps 1 symbolic too: the library steps one row as it
 # inductor settings for the step: weights frozen into the graph (constants it can pack), and its
 # own GEMM template for every matmul (the BLAS's low bits depend on the batch size below 4 rows),
 # the whole step one C++ call that lets go of the GIL (cpp_wrapper)
-PACKED = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP", "cpp_wrapper": True}
-LEGACY = ({"cpp_wrapper": True}, 4)  # the fallback: BLAS matmuls, batches padded to 4 rows
+Options = dict[str, object]  # inductor's settings for a compile
+# the compiled LM.step_layers: (tokens (B,), layers, position (B,)) -> (logits (B, V), new layers)
+StepLayers = Callable[[Tensor, list[LayerState], Tensor], tuple[Tensor, list[LayerState]]]
+PACKED: Options = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP", "cpp_wrapper": True}
+LEGACY: tuple[Options, int] = ({"cpp_wrapper": True}, 4)  # the fallback: BLAS matmuls, batches padded to 4 rows
 # --gemm onednn (gemm.py): the projections are oneDNN calls over constant weights (freezing
 # lowers them), any matmul left to the BLAS is exact from 4 rows up: pad small batches to 4
-ONEDNN = ({"freezing": True, "cpp_wrapper": True}, 4)
+ONEDNN: tuple[Options, int] = ({"freezing": True, "cpp_wrapper": True}, 4)
 
 
 def own_options() -> dict:
@@ -119,7 +123,7 @@ class Progress:
         threading.Thread(target=self._tick, name="compile-progress", daemon=True).start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._over.set()
 
     def _tick(self) -> None:
@@ -144,7 +148,7 @@ class Stepper:
         self.progress: Progress | None = None  # while it compiles
         self.cuda = model.embed.weight.device.type == "cuda"
         self.max_rows = max_rows  # CUDA graphs: the largest bucket (more rows step in pieces)
-        self.compiled = None  # the compiled step once warm
+        self.compiled: StepLayers | None = None  # the compiled step once warm
         self.warm_s: float | None = None  # seconds the compile took (cache hits make it short)
         self.pinned: dict[int, int] = {}  # slot -> next position, for rows that began eagerly
         self.seen: dict[int, int] = {}  # the same for every row stepped before the takeover
@@ -233,6 +237,7 @@ class Stepper:
             tries = [("own", r, lambda: (twin(self.model, "own"), own_options()), rows[r]) for r in runtimes] + tries
         if not self.packed_in_place:
             tries.append(("blas", "dynamo", lambda: (self.model, LEGACY[0]), LEGACY[1]))
+        assert self.progress is not None  # set by warm around this call
         for kernels, runtime, make, min_rows in tries:
             self.progress.pieces = 0  # (AotStep.build counts its own)
             try:
@@ -279,7 +284,7 @@ class Stepper:
             return AotStep.build(model, options, min_rows, MAX_ROWS, Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "aoti",
                                  self.progress)
 
-    def _compile(self, model: LM, options: dict, min_rows: int):
+    def _compile(self, model: LM, options: dict, min_rows: int) -> StepLayers:
         # (dynamo is imported here, not for a library from the cache: it is costly at start-up)
         # every model compiles its own entry of LM.step_layers: room for many models in one server
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -367,6 +372,8 @@ class Stepper:
         return logits, State(state.layers, position, state.time_dims, logits)
 
     def _compiled(self, tokens: Tensor, state: State, checked: bool = False) -> tuple[Tensor, State]:
+        compiled = self.compiled
+        assert compiled is not None  # called once warm
         B = tokens.shape[0]
         layers, position = state.layers, state.position
         if not (checked or self._fits(tokens, state)):
@@ -382,7 +389,7 @@ class Stepper:
             it = iter(rest)
             layers = [{n: next(it) for n in layer} for layer in layers]
         if self.runtime in ("aoti", "graphs"):  # no guards: what it is handed is checked above (_fits)
-            logits, new = self.compiled(tokens.contiguous(), layers, position)
+            logits, new = compiled(tokens.contiguous(), layers, position)
             return logits, State(new, state.position + 1, state.time_dims, logits)
         # The inputs are what the graph was compiled for (_fits, the padding above), so dynamo's
         # guards need not be checked on every call, only those that tell this model's entry from
@@ -391,7 +398,7 @@ class Stepper:
         # An input those guards refuse raises before the graph runs: that call steps eagerly.
         try:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                logits, new = self.compiled(tokens.contiguous(), layers, position)
+                logits, new = compiled(tokens.contiguous(), layers, position)
         except RuntimeError as e:
             if "skip_guard_eval_unsafe" not in str(e):
                 raise

@@ -48,13 +48,18 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .. import CACHE_DIR
 from . import cpu
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr  # what a CDLL's function is
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
 NR = 32  # a panel's columns
@@ -95,7 +100,7 @@ def kind() -> str | None:
 
 
 @contextlib.contextmanager
-def use(name: str):
+def use(name: str) -> Iterator[str]:
     """Run our matmul as kind `name` (one this CPU has; ValueError otherwise) inside the block:
     for tests and benchmarks that compare kinds in one process."""
     global _forced
@@ -197,7 +202,7 @@ def split_threads() -> int:
     return _loaded().linstream_split_threads()
 
 
-def new_handles():
+def new_handles() -> CFuncPtr:
     """`new_handles(in, n, out)`: n new AtenTensorHandles to the tensors of the handles at `in`,
     written to `out` (both arrays of pointers; non-zero return: a failure). For step libraries
     that take their weights as inputs (model/compiled/aot.py)."""

@@ -19,17 +19,19 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
+from ..config import ModelConfig
 from ..ops.delta_rule import delta_rule_chunked, delta_rule_step
 from ..ops.naive import delta_rule_naive
+from ..state import LayerState
 from .fla_common import FlaBlock, Norm, ShortConvs
 
 QK_ACTIVATIONS = {"silu": lambda t: t, "relu": F.relu, "elu": lambda t: F.elu(t) + 1, "identity": lambda t: t}
 
 
 class DeltaNetAttention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         o, D = cfg.mixer_options, cfg.d_model
         self.H = cfg.n_head
@@ -48,17 +50,17 @@ class DeltaNetAttention(nn.Module):
         self.o_norm = Norm(self.V, cfg.norm_eps)
         self.o_proj = nn.Linear(val, D, bias=False)
 
-    def init_state(self, batch, device=None, dtype=torch.float32):
+    def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> LayerState:
         state = {"S": torch.zeros(batch, self.H, self.K, self.V, device=device, dtype=dtype)}
         if self.convs is not None:
             state["conv"] = torch.zeros(batch, self.convs.kernel - 1, self.convs.width(), device=device, dtype=dtype)
         return state
 
-    def _heads(self, t, d):  # (B, T, H * d) -> (B, H, T, d)
+    def _heads(self, t: Tensor, d: int) -> Tensor:  # (B, T, H * d) -> (B, H, T, d)
         B, T, _ = t.shape
         return t.view(B, T, self.H, d).transpose(1, 2)
 
-    def _inputs(self, x, state, form):
+    def _inputs(self, x: Tensor, state: LayerState, form: str) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], Tensor | None]:
         """x (B, T, D) -> q, k, v (B, H, T, K or V), beta (B, H, T) in float32, and the conv tail."""
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         tail = None
@@ -82,26 +84,26 @@ class DeltaNetAttention(nn.Module):
             torch.sigmoid(self.b_proj(x).float()).transpose(1, 2)  # (B, H, T)
         return (q * self.K ** -0.5, k, v, beta * 2 if self.neg_eigval else beta), tail
 
-    def _out(self, o, x):  # o (B, H, T, V) float32 -> (B, T, D)
+    def _out(self, o: Tensor, x: Tensor) -> Tensor:  # o (B, H, T, V) float32 -> (B, T, D)
         B, H, T, V = o.shape
         o = o.transpose(1, 2).to(x.dtype)  # (B, T, H, V)
         gate = None if self.g_proj is None else self.g_proj(x).view(B, T, H, V)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, H * V))
 
-    def _new(self, S, tail):
+    def _new(self, S: Tensor, tail: Tensor | None) -> LayerState:
         return {"S": S} if tail is None else {"S": S, "conv": tail}
 
-    def forward(self, x, state, pos=None):
+    def forward(self, x: Tensor, state: LayerState, pos: Tensor | None = None) -> tuple[Tensor, LayerState]:
         (q, k, v, beta), tail = self._inputs(x, state, "forward")
         o, S = delta_rule_chunked(q, k, v, beta, state["S"], self.chunk_size)
         return self._out(o, x), self._new(S, tail)
 
-    def step(self, x, state, pos=None):  # x (B, D)
+    def step(self, x: Tensor, state: LayerState, pos: Tensor | None = None) -> tuple[Tensor, LayerState]:  # x (B, D)
         (q, k, v, beta), tail = self._inputs(x[:, None], state, "step")
         o, S = delta_rule_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0], state["S"])
         return self._out(o[:, :, None], x[:, None])[:, 0], self._new(S, tail)
 
-    def naive(self, x, state, pos=None):
+    def naive(self, x: Tensor, state: LayerState, pos: Tensor | None = None) -> tuple[Tensor, LayerState]:
         (q, k, v, beta), tail = self._inputs(x, state, "naive")
         o, S = delta_rule_naive(q, k, v, beta, state["S"])
         return self._out(o, x), self._new(S, tail)
@@ -109,6 +111,6 @@ class DeltaNetAttention(nn.Module):
 
 class FlaDeltaNet(FlaBlock):
     name = "fla-deltanet"
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.attn = DeltaNetAttention(cfg)

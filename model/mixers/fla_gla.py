@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
+from ..config import ModelConfig
 from ..ops.gated_attn import gated_attn_chunked, gated_attn_step
 from ..ops.naive import gated_attn_naive
+from ..state import LayerState
 from .fla_common import FlaBlock, Norm, ShortConvs
 
 GATE_RANK, GATE_NORMALIZER = 16, 16.0  # fla's gate_low_rank_dim and gate_logit_normalizer (not in its config)
@@ -31,7 +33,7 @@ FEATURE_MAPS = {"relu": F.relu, "sigmoid": torch.sigmoid, "swish": F.silu, "silu
 class GLAAttention(nn.Module):
     data_gate = True  # the gate is computed from x (GLA); RetNet's decays are fixed per head
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         o, D = cfg.mixer_options, cfg.d_model
         self.H, self.kv_heads = cfg.n_head, o.get("num_kv_heads") or cfg.n_head
@@ -55,18 +57,19 @@ class GLAAttention(nn.Module):
         self.norm_name = "g_norm_swish_gate" if self.g_proj is not None and o.get("fuse_norm", True) else "g_norm"
         self.add_module(self.norm_name, norm)
 
-    def init_state(self, batch, device=None, dtype=torch.float32):
+    def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> LayerState:
         state = {"S": torch.zeros(batch, self.H, self.K, self.V, device=device, dtype=dtype)}
         if self.convs is not None:
             state["conv"] = torch.zeros(batch, self.convs.kernel - 1, self.convs.width(), device=device, dtype=dtype)
         return state
 
-    def _heads(self, t, d):  # (B, T, n * d) -> (B, H, T, d), each of n heads repeated for its group
+    def _heads(self, t: Tensor, d: int) -> Tensor:  # (B, T, n * d) -> (B, H, T, d), each of n heads repeated for its group
         B, T, _ = t.shape
         t = t.view(B, T, -1, d).transpose(1, 2)
         return t if t.shape[1] == self.H else t.repeat_interleave(self.groups, 1)
 
-    def _inputs(self, x, state, form, pos):
+    def _inputs(self, x: Tensor, state: LayerState, form: str,
+                pos: Tensor | None) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], Tensor | None]:
         """x (B, T, D), pos (B,) or None -> q, k, v, g (B, H, T, K or V) in float32, and the new conv tail."""
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         tail = None
@@ -83,35 +86,36 @@ class GLAAttention(nn.Module):
         q, k = self._rotate(q.float(), k.float(), pos)
         return (q * self.K ** -0.5, k, v.float(), self._gate(x)), tail
 
-    def _gate(self, x):  # x (B, T, D) -> log-decay g (B, H, T, K)
+    def _gate(self, x: Tensor) -> Tensor:  # x (B, T, D) -> log-decay g (B, H, T, K)
         g = F.logsigmoid(self.gk_proj(x).float()) / GATE_NORMALIZER
         if self.clamp_min is not None:
             g = g.clamp_min(self.clamp_min)
         return self._heads(g, self.K)
 
-    def _rotate(self, q, k, pos):  # GLA has no positional rotation (RetNet does: fla_retnet.py)
+    def _rotate(self, q: Tensor, k: Tensor,
+                pos: Tensor | None) -> tuple[Tensor, Tensor]:  # GLA has no positional rotation (RetNet does: fla_retnet.py)
         return q, k
 
-    def _out(self, o, x):  # o (B, H, T, V) float32 -> (B, T, D)
+    def _out(self, o: Tensor, x: Tensor) -> Tensor:  # o (B, H, T, V) float32 -> (B, T, D)
         B, H, T, V = o.shape
         o = o.transpose(1, 2).to(x.dtype)  # (B, T, H, V)
         gate = None if self.g_proj is None else self.g_proj(x).view(B, T, H, V)
         return self.o_proj(getattr(self, self.norm_name)(o, gate).reshape(B, T, H * V))
 
-    def _new(self, S, tail):
+    def _new(self, S: Tensor, tail: Tensor | None) -> LayerState:
         return {"S": S} if tail is None else {"S": S, "conv": tail}
 
-    def forward(self, x, state, pos=None):
+    def forward(self, x: Tensor, state: LayerState, pos: Tensor | None = None) -> tuple[Tensor, LayerState]:
         (q, k, v, g), tail = self._inputs(x, state, "forward", pos)
         o, S = gated_attn_chunked(q, k, v, g, state["S"], True, self.chunk_size)
         return self._out(o, x), self._new(S, tail)
 
-    def step(self, x, state, pos=None):  # x (B, D)
+    def step(self, x: Tensor, state: LayerState, pos: Tensor | None = None) -> tuple[Tensor, LayerState]:  # x (B, D)
         (q, k, v, g), tail = self._inputs(x[:, None], state, "step", pos)
         o, S = gated_attn_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], state["S"], inplace=True)
         return self._out(o[:, :, None], x[:, None])[:, 0], self._new(S, tail)
 
-    def naive(self, x, state, pos=None):
+    def naive(self, x: Tensor, state: LayerState, pos: Tensor | None = None) -> tuple[Tensor, LayerState]:
         (q, k, v, g), tail = self._inputs(x, state, "naive", pos)
         o, S = gated_attn_naive(q, k, v, g, state["S"])
         return self._out(o, x), self._new(S, tail)
@@ -119,6 +123,6 @@ class GLAAttention(nn.Module):
 
 class FlaGLA(FlaBlock):
     name = "fla-gla"
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.attn = GLAAttention(cfg)

@@ -17,13 +17,17 @@ The first block also layer-normalises the embeddings (`pre_norm`, fla's norm_fir
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from .. import kernels
+from ..config import ModelConfig
 from ..ops.gated_attn import gated_attn_chunked, gated_attn_step
 from ..ops.naive import gated_attn_naive
+from ..state import LayerState
 from .fla_common import token_shift
 
 
@@ -35,31 +39,31 @@ def ffn_width(d: int, ratio: float | None, size: int | None) -> int:
 class Lerp(nn.Module):
     """fla's LerpLinear: linear(x + d * mu)."""
 
-    def __init__(self, d_in: int, d_out: int):
+    def __init__(self, d_in: int, d_out: int) -> None:
         super().__init__()
         self.linear, self.mu = nn.Linear(d_in, d_out, bias=False), nn.Parameter(torch.zeros(d_in))
 
-    def forward(self, x, d):
+    def forward(self, x: Tensor, d: Tensor) -> Tensor:
         return self.linear(x + d * self.mu)
 
 
 class LoRA(nn.Module):
-    def __init__(self, d_in: int, rank: int, d_out: int):
+    def __init__(self, d_in: int, rank: int, d_out: int) -> None:
         super().__init__()
         self.lora = nn.Sequential(nn.Linear(d_in, rank, bias=False), nn.Tanh(), nn.Linear(rank, d_out, bias=True))
 
-    def forward(self, x):
+    def forward(self, x: Tensor) -> Tensor:
         return self.lora(x)
 
 
 class DDLerp(nn.Module):
     """fla's DDLerpLinear: linear(x + d * mu) with a data-dependent mu (a linear map or a LoRA)."""
 
-    def __init__(self, d_in: int, d_out: int, rank: int | None = None):
+    def __init__(self, d_in: int, d_out: int, rank: int | None = None) -> None:
         super().__init__()
         self.linear = nn.Linear(d_in, d_out, bias=False) if rank is None else LoRA(d_in, rank, d_out)
 
-    def forward(self, x, mu, d):
+    def forward(self, x: Tensor, mu: Tensor, d: Tensor) -> Tensor:
         return self.linear(x + d * mu)
 
 
@@ -68,7 +72,7 @@ class TimeMix(nn.Module):
     # weight: the compiled step's own twin (model/compiled/gemm.py) packs them for our kernel ("gnk")
     PACKABLE = {"mix_up": "gnk"}
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         o, D = cfg.mixer_options, cfg.d_model
         self.H, self.R, self.eps = cfg.n_head, o["proj_low_rank_dim"], cfg.norm_eps
@@ -88,7 +92,7 @@ class TimeMix(nn.Module):
         """x_proj[2]'s weight (D, 5R) as one (D, R) weight per mix: (5, D, R), a view."""
         return self.x_proj[2].weight.view(-1, 5, self.R).transpose(0, 1)
 
-    def inputs(self, x, d):
+    def inputs(self, x: Tensor, d: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """x, d (B, T, D) -> r, k, g (B, H, T, K), v (B, H, T, V) in float32, and the gate (B, T, val)."""
         B, T, D = x.shape
         low = self.x_proj[1](self.x_proj[0](x, d)).view(B, T, 5, self.R)
@@ -104,7 +108,7 @@ class TimeMix(nn.Module):
         heads = lambda t, n: t.float().view(B, T, self.H, n).transpose(1, 2)  # noqa: E731
         return heads(r, self.K), heads(k, self.K), heads(v, self.V), -torch.exp(heads(w, self.K)), gate
 
-    def out(self, o, gate):  # o (B, H, T, V) float32, gate (B, T, val) -> (B, T, D)
+    def out(self, o: Tensor, gate: Tensor) -> Tensor:  # o (B, H, T, V) float32, gate (B, T, val) -> (B, T, D)
         B, H, T, V = o.shape
         o = o.transpose(1, 2).reshape(B, T, H, V)
         o = F.layer_norm(o, (V,), eps=self.eps).reshape(B, T, H * V)  # GroupNorm of one group per head
@@ -113,16 +117,16 @@ class TimeMix(nn.Module):
 
 
 class ChannelMix(nn.Module):
-    def __init__(self, d: int, f: int):
+    def __init__(self, d: int, f: int) -> None:
         super().__init__()
         self.key, self.receptance = Lerp(d, f), Lerp(d, d)
         self.value = nn.Linear(f, d, bias=False)
 
-    def forward(self, x, d):
+    def forward(self, x: Tensor, d: Tensor) -> Tensor:
         return torch.sigmoid(self.receptance(x, d)) * self.value(torch.relu(self.key(x, d)) ** 2)
 
 
-def _norm(d, cfg):
+def _norm(d: int, cfg: ModelConfig) -> nn.LayerNorm:
     return nn.LayerNorm(d, eps=cfg.norm_eps)
 
 
@@ -133,7 +137,7 @@ class FlaRWKV6(nn.Module):
     owns_norms = True
     first = False
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         D = cfg.d_model
         self.chunk_size = cfg.chunk_size
@@ -143,13 +147,13 @@ class FlaRWKV6(nn.Module):
         self.attn = TimeMix(cfg)
         self.ffn = ChannelMix(D, cfg.d_ffn)
 
-    def init_state(self, batch, device=None, dtype=torch.float32):
+    def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> LayerState:
         D, a = self.attn_norm.normalized_shape[0], self.attn
         return {"S": torch.zeros(batch, a.H, a.K, a.V, device=device, dtype=dtype),
                 "attn_shift": torch.zeros(batch, D, device=device, dtype=dtype),
                 "ffn_shift": torch.zeros(batch, D, device=device, dtype=dtype)}
 
-    def _run(self, x, state, recur):
+    def _run(self, x: Tensor, state: LayerState, recur: Callable[..., tuple[Tensor, Tensor]]) -> tuple[Tensor, LayerState]:
         """x (B, T, D) the residual stream -> (what the block adds to it, new state)."""
         x0 = self.pre_norm(x) if self.first else x
         h = self.attn_norm(x0)
@@ -161,20 +165,20 @@ class FlaRWKV6(nn.Module):
         new = {"S": S, "attn_shift": h[:, -1].float(), "ffn_shift": f[:, -1].float()}
         return (x0 - x + y if self.first else y), new
 
-    def forward(self, x, state=None, pos=None):
+    def forward(self, x: Tensor, state: LayerState | None = None, pos: Tensor | None = None) -> tuple[Tensor, LayerState | None]:
         st = state if state is not None else self.init_state(x.shape[0], x.device)
         y, new = self._run(x, st, lambda q, k, v, g, S, u: gated_attn_chunked(
             q, k, v, g, S, True, self.chunk_size, bonus=u))
         return y, (None if state is None else new)
 
-    def step(self, x, state, pos=None):
-        def one(q, k, v, g, S, u):
+    def step(self, x: Tensor, state: LayerState, pos: Tensor | None = None) -> tuple[Tensor, LayerState]:
+        def one(q: Tensor, k: Tensor, v: Tensor, g: Tensor, S: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
             o, S = gated_attn_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], S, bonus=u, inplace=True)
             return o[:, :, None], S
         y, new = self._run(x[:, None], state, one)
         return y[:, 0], new
 
-    def naive(self, x, state, pos=None):
+    def naive(self, x: Tensor, state: LayerState, pos: Tensor | None = None) -> tuple[Tensor, LayerState]:
         return self._run(x, state, lambda q, k, v, g, S, u: gated_attn_naive(q, k, v, g, S, bonus=u))
 
 

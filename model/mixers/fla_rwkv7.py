@@ -23,14 +23,17 @@ ffn_shift (B, D).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
+from ..config import ModelConfig
 from ..ops.naive import rwkv7_naive
 from ..ops.rwkv7 import rwkv7_chunked, rwkv7_step
+from ..state import LayerState
 from .fla_common import token_shift
 
 LOG_DECAY_FLOOR = -math.exp(-0.5)  # fla's -0.6065306597126334: the fastest decay, e^-0.607 per token
@@ -40,16 +43,16 @@ MIXES = ("r", "w", "k", "v", "a", "g")
 class LoRA(nn.Module):
     """fla's LoRA: (D, rank) -> activation -> (rank, out), the second with or without a bias."""
 
-    def __init__(self, d_in: int, rank: int, d_out: int, act: nn.Module, bias: bool = True):
+    def __init__(self, d_in: int, rank: int, d_out: int, act: nn.Module, bias: bool = True) -> None:
         super().__init__()
         self.lora = nn.Sequential(nn.Linear(d_in, rank, bias=False), act, nn.Linear(rank, d_out, bias=bias))
 
-    def forward(self, x):
+    def forward(self, x: Tensor) -> Tensor:
         return self.lora(x)
 
 
 class TimeMix(nn.Module):
-    def __init__(self, cfg, first: bool):
+    def __init__(self, cfg: ModelConfig, first: bool) -> None:
         super().__init__()
         o, D = cfg.mixer_options, cfg.d_model
         self.H, self.first = cfg.n_head, first
@@ -69,7 +72,8 @@ class TimeMix(nn.Module):
         self.g_lora = LoRA(D, o["gate_low_rank_dim"], val, nn.Sigmoid(), bias=False)
         self.g_norm = nn.GroupNorm(self.H, val, eps=self.eps)  # weight and bias (val,), as fla's
 
-    def forward(self, x, d, S, v_first, recur):
+    def forward(self, x: Tensor, d: Tensor, S: Tensor, v_first: Tensor | None,
+                recur: Callable[..., tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
         """x, d (B, T, D); S (B, H, K, V); v_first (B, T, val) or None in block 0 ->
         (out (B, T, D), new S, v_first)."""
         B, T, D = x.shape
@@ -79,6 +83,7 @@ class TimeMix(nn.Module):
         if self.first:
             v_first = v
         else:
+            assert v_first is not None, "a block after the first is handed block 0's values (carry)"
             v = torch.lerp(v, v_first.to(v.dtype), torch.sigmoid(self.v_lora(xv)))
         iclr, gate = torch.sigmoid(self.a_lora(xa)), self.g_lora(xg)
         heads = lambda t, n: t.float().view(B, T, self.H, n).transpose(1, 2)  # noqa: E731  (B, H, T, n)
@@ -94,12 +99,12 @@ class TimeMix(nn.Module):
 
 
 class ChannelMix(nn.Module):
-    def __init__(self, d: int, f: int):
+    def __init__(self, d: int, f: int) -> None:
         super().__init__()
         self.x_k = nn.Parameter(torch.zeros(d))
         self.key, self.value = nn.Linear(d, f, bias=False), nn.Linear(f, d, bias=False)
 
-    def forward(self, x, d):
+    def forward(self, x: Tensor, d: Tensor) -> Tensor:
         return self.value(torch.relu(self.key(x + d * self.x_k)) ** 2)
 
 
@@ -111,7 +116,7 @@ class FlaRWKV7(nn.Module):
     carries = True  # takes and hands on v_first (see the module docstring)
     first = False
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         D = cfg.d_model
         self.chunk_size = cfg.chunk_size
@@ -121,13 +126,14 @@ class FlaRWKV7(nn.Module):
         self.attn = TimeMix(cfg, self.first)
         self.ffn = ChannelMix(D, cfg.d_ffn)
 
-    def init_state(self, batch, device=None, dtype=torch.float32):
+    def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> LayerState:
         D, a = self.attn_norm.normalized_shape[0], self.attn
         return {"S": torch.zeros(batch, a.H, a.K, a.V, device=device, dtype=dtype),
                 "attn_shift": torch.zeros(batch, D, device=device, dtype=dtype),
                 "ffn_shift": torch.zeros(batch, D, device=device, dtype=dtype)}
 
-    def _run(self, x, state, v_first, recur):
+    def _run(self, x: Tensor, state: LayerState, v_first: Tensor | None,
+             recur: Callable[..., tuple[Tensor, Tensor]]) -> tuple[Tensor, LayerState, Tensor]:
         """x (B, T, D) the residual stream -> (what the block adds to it, new state, v_first)."""
         x0 = self.pre_norm(x) if hasattr(self, "pre_norm") else x
         h = self.attn_norm(x0)
@@ -136,20 +142,23 @@ class FlaRWKV7(nn.Module):
         y = x0 - x + a + self.ffn(f, token_shift(f, state["ffn_shift"]))
         return y, {"S": S, "attn_shift": h[:, -1].float(), "ffn_shift": f[:, -1].float()}, v_first
 
-    def forward(self, x, state=None, pos=None, carry=None):
+    def forward(self, x: Tensor, state: LayerState | None = None, pos: Tensor | None = None,
+                carry: Tensor | None = None) -> tuple[Tensor, LayerState | None, Tensor]:
         st = state if state is not None else self.init_state(x.shape[0], x.device)
         y, new, carry = self._run(x, st, carry, partial(rwkv7_chunked, output_final_state=True, chunk_size=self.chunk_size))
         return y, (None if state is None else new), carry
 
-    def step(self, x, state, pos=None, carry=None):
-        def one(q, w, k, v, a, b, S):
+    def step(self, x: Tensor, state: LayerState, pos: Tensor | None = None,
+             carry: Tensor | None = None) -> tuple[Tensor, LayerState, Tensor]:
+        def one(q: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
             q, w, k, v, a, b = (t[:, :, 0] for t in (q, w, k, v, a, b))  # each (B, H, 1, .) -> (B, H, .)
             o, S = rwkv7_step(q, w, k, v, a, b, S)
             return o[:, :, None], S
         y, new, carry = self._run(x[:, None], state, None if carry is None else carry[:, None], one)
         return y[:, 0], new, carry[:, 0]
 
-    def naive(self, x, state, pos=None, carry=None):
+    def naive(self, x: Tensor, state: LayerState, pos: Tensor | None = None,
+              carry: Tensor | None = None) -> tuple[Tensor, LayerState, Tensor]:
         return self._run(x, state, carry, rwkv7_naive)
 
 

@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..config import ModelConfig
 from ..ops.decayed_attn import linear_attn_chunked, linear_attn_step
 from ..ops.naive import linear_attn_naive
+from ..state import LayerState
 from .common import ConvQKV
 
 
@@ -40,41 +42,41 @@ class LinearAttention(ConvQKV):
     """Also the frame of `performer`, which changes only the feature map and the decays."""
     name = "linear"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.register_buffer("gamma", self._decays(cfg))
 
-    def _decays(self, cfg):  # gamma (H,)
+    def _decays(self, cfg: ModelConfig) -> Tensor:  # gamma (H,)
         assert len(cfg.decays) == self.H, "one decay per head"
         return torch.tensor(cfg.decays, dtype=torch.float32)
 
-    def _feature_dim(self):  # the feature dim the state keeps per head: K
+    def _feature_dim(self) -> int:  # the feature dim the state keeps per head: K
         return self.out.in_features // self.H
 
-    def init_state(self, batch, device=None, dtype=torch.float32):
+    def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> LayerState:
         H, K, V = self.H, self._feature_dim(), self.out.in_features // self.H
         return {"S": torch.zeros(batch, H, K, V, device=device, dtype=dtype),
                 "z": torch.zeros(batch, H, K, device=device, dtype=dtype),
                 **self._conv_state(batch, device, dtype)}
 
-    def _qkv(self, qkv):  # (B, T, 3D) -> phi(q), phi(k) (B, H, T, K), v (B, H, T, V)
+    def _qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # (B, T, 3D) -> phi(q), phi(k) (B, H, T, K), v (B, H, T, V)
         q, k, v = self._split(qkv)
         return feature_map(q), feature_map(k), v
 
-    def forward(self, x, state=None, pos=None):
+    def forward(self, x: Tensor, state: LayerState | None = None, pos: Tensor | None = None) -> tuple[Tensor, LayerState | None]:
         qkv, tail = self._conv_forward(x, state)  # (B, T, 3D)
         q, k, v = self._qkv(qkv)  # phi(q), phi(k) (B, H, T, K), v (B, H, T, V)
         init = None if state is None else (state["S"], state["z"])
         o, fin = linear_attn_chunked(q, k, v, self.gamma, init, state is not None, self.chunk_size)  # (B, H, T, V)
-        return self._out(o, x), (None if state is None else {"S": fin[0], "z": fin[1], "conv": tail})  # (B, T, D)
+        return self._out(o, x), (None if fin is None else {"S": fin[0], "z": fin[1], "conv": tail})  # (B, T, D)
 
-    def step(self, x, state, pos=None):
+    def step(self, x: Tensor, state: LayerState, pos: Tensor | None = None) -> tuple[Tensor, LayerState]:
         qkv, tail = self._conv_step(x, state)  # (B, 1, 3D)
         q, k, v = (t[:, :, 0] for t in self._qkv(qkv))  # (B, H, K)
         o, (S, z) = linear_attn_step(q, k, v, self.gamma, (state["S"], state["z"]), inplace=True)  # (B, H, V)
         return self._out(o[:, :, None], x[:, None])[:, 0], {"S": S, "z": z, "conv": tail}  # (B, D)
 
-    def naive(self, x, state, pos=None):
+    def naive(self, x: Tensor, state: LayerState, pos: Tensor | None = None) -> tuple[Tensor, LayerState]:
         qkv, tail = self._conv_naive(x, state)  # (B, T, 3D)
         q, k, v = self._qkv(qkv)
         o, (S, z) = linear_attn_naive(q, k, v, self.gamma, (state["S"], state["z"]))  # (B, H, T, V)

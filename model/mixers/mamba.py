@@ -25,18 +25,20 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
+from ..config import ModelConfig
 from ..ops.conv import causal_conv, causal_conv_step
 from ..ops.naive import causal_conv_naive, selective_scan_naive
 from ..ops.selective_scan import selective_scan, selective_scan_step
+from ..state import LayerState
 
 
 class Mamba(nn.Module):
     name = "mamba"
     time_dims: dict[str, int] = {}
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d, e, n, r = cfg.d_model, cfg.expand * cfg.d_model, cfg.d_state, cfg.dt_rank
         self.e, self.n, self.r, self.bc_norm_eps = e, n, r, cfg.bc_norm_eps
@@ -53,22 +55,22 @@ class Mamba(nn.Module):
             dt = torch.exp(torch.rand(e) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
-    def init_state(self, batch, device=None, dtype=torch.float32):
+    def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> LayerState:
         W = self.conv1d.kernel_size[0]
         return {"h": torch.zeros(batch, self.e, self.n, device=device, dtype=dtype),
                 "conv": torch.zeros(batch, W - 1, self.e, device=device, dtype=dtype)}
 
-    def _conv(self):  # the conv's weight and bias in float32 (no-ops for a float32 model)
+    def _conv(self) -> tuple[Tensor, Tensor | None]:  # the conv's weight and bias in float32 (no-ops for a float32 model)
         b = self.conv1d.bias
         return self.conv1d.weight.float(), None if b is None else b.float()
 
-    def _ssm_inputs(self, x):  # x (b, l, e) float32 after conv+silu -> delta, B, C in float32
+    def _ssm_inputs(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # x (b, l, e) float32 after conv+silu -> delta, B, C in float32
         dt, B, C = self.x_proj(_input(self.x_proj, x)).float().split([self.r, self.n, self.n], dim=-1)
         if self.bc_norm_eps:
             dt, B, C = (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + self.bc_norm_eps) for t in (dt, B, C))
         return F.softplus(self.dt_proj(_input(self.dt_proj, dt)).float()), B, C
 
-    def forward(self, u, state=None, pos=None):
+    def forward(self, u: Tensor, state: LayerState | None = None, pos: Tensor | None = None) -> tuple[Tensor, LayerState | None]:
         x, z = self.in_proj(u).chunk(2, dim=-1)  # (b, l, e)
         x, tail = causal_conv(x.float(), None if state is None else state["conv"], *self._conv())  # (b, l, e)
         x = F.silu(x)
@@ -78,7 +80,7 @@ class Mamba(nn.Module):
         out = self.out_proj((y * F.silu(z)).to(u.dtype))  # (b, l, d)
         return out, (None if state is None else {"h": h, "conv": tail})
 
-    def step(self, u, state, pos=None):
+    def step(self, u: Tensor, state: LayerState, pos: Tensor | None = None) -> tuple[Tensor, LayerState]:
         x, z = self.in_proj(u).chunk(2, dim=-1)  # (b, e)
         weight, bias = self._conv()
         x, tail = causal_conv_step(x.float(), state["conv"], weight, bias, inplace=True)  # (b, e)
@@ -87,7 +89,7 @@ class Mamba(nn.Module):
         y, h = selective_scan_step(x, delta, -torch.exp(self.A_log), B, C, self.D, state["h"], inplace=True)  # (b, e)
         return self.out_proj((y * F.silu(z)).to(u.dtype)), {"h": h, "conv": tail}  # (b, d)
 
-    def naive(self, u, state, pos=None):
+    def naive(self, u: Tensor, state: LayerState, pos: Tensor | None = None) -> tuple[Tensor, LayerState]:
         x, z = self.in_proj(u).chunk(2, dim=-1)  # (b, l, e)
         x, tail = causal_conv_naive(x.float(), state["conv"], *self._conv())
         x = F.silu(x)

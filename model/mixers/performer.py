@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels
+from ..config import ModelConfig
 from .linear import LinearAttention
 
 TAU_MAX = 8.0
@@ -52,7 +53,7 @@ def orthogonal_features(heads: int, m: int, k: int) -> Tensor:
 
 class Performer(LinearAttention):
     name = "performer"
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         K = cfg.d_model // self.H
         self.M = FEATURES_PER_DIM * K
@@ -61,10 +62,10 @@ class Performer(LinearAttention):
 
     PACKABLE = {"features": "gnk"}  # (H, M, K): a matmul weight per head, packed by model/compiled/gemm.py's own twin
 
-    def _decays(self, cfg):  # no decay: the original causal Performer
+    def _decays(self, cfg: ModelConfig) -> Tensor:  # no decay: the original causal Performer
         return torch.ones(self.H)
 
-    def _feature_dim(self):
+    def _feature_dim(self) -> int:
         return self.M
 
     def _phi(self, x: Tensor, query: bool) -> Tensor:  # (B, H, T, K) -> (B, H, T, M)
@@ -80,6 +81,6 @@ class Performer(LinearAttention):
             logits = logits - logits.amax(-1, keepdim=True).detach()
         return torch.exp(logits) / math.sqrt(self.M)
 
-    def _qkv(self, qkv):  # (B, T, 3D) -> q, k features (B, H, T, M), v (B, H, T, V)
+    def _qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # (B, T, 3D) -> q, k features (B, H, T, M), v (B, H, T, V)
         q, k, v = self._split(qkv)
         return self._phi(q, True), self._phi(k, False), v

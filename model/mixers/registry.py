@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..config import ModelConfig
 from .fla_deltanet import FlaDeltaNet
 from .fla_gla import FlaGLA
 from .fla_retnet import FlaRetNet
@@ -30,7 +31,7 @@ MIXERS: dict[str, type[nn.Module]] = {cls.name: cls for cls in (
 )}
 
 
-def build_mixer(name: str, cfg) -> nn.Module:
+def build_mixer(name: str, cfg: ModelConfig) -> nn.Module:
     if name not in MIXERS:
         raise ValueError(f"unknown mixer {name!r}; known: {sorted(MIXERS)}")
     return MIXERS[name](cfg)

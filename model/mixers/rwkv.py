@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from .. import kernels
+from ..config import ModelConfig
 from ..ops.gated_attn import gated_attn_chunked, gated_attn_step
 from ..ops.naive import gated_attn_naive
+from ..state import LayerState
 
 MIX_RANK, DECAY_RANK, LOG_DECAY_MIN = 16, 32, -20.0
 
@@ -40,7 +42,7 @@ class RWKV6TimeMix(nn.Module):
     name = "rwkv"
     time_dims: dict[str, int] = {}
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         D, H = cfg.d_model, cfg.n_head
         self.H, self.chunk_size = H, cfg.chunk_size
@@ -63,12 +65,12 @@ class RWKV6TimeMix(nn.Module):
         self.output = nn.Linear(D, D, bias=False)
         self.ln_x = nn.GroupNorm(H, D, eps=64e-5)
 
-    def init_state(self, batch, device=None, dtype=torch.float32):
+    def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> LayerState:
         D, H = self.output.in_features, self.H
         return {"S": torch.zeros(batch, H, D // H, D // H, device=device, dtype=dtype),
                 "shift": torch.zeros(batch, D, device=device, dtype=dtype)}
 
-    def _heads(self, t):  # (B, T, D) -> (B, H, T, K)
+    def _heads(self, t: Tensor) -> Tensor:  # (B, T, D) -> (B, H, T, K)
         B, T, _ = t.shape
         return t.view(B, T, self.H, -1).transpose(1, 2)
 
@@ -76,13 +78,13 @@ class RWKV6TimeMix(nn.Module):
     # own twin (model/compiled/gemm.py) packs them for our kernel ("kn": (K, N); "gkn": (G, K, N), by group)
     PACKABLE = {"mix_a": "kn", "mix_b": "gkn", "decay_a": "kn", "decay_b": "kn"}
 
-    def _mm(self, x, name):
+    def _mm(self, x: Tensor, name: str) -> Tensor:
         """x @ self.<name>, or our kernel over its packed copy in the compiled step's twin."""
         packed = getattr(self, name + "_packed", None)
         w = getattr(self, name)
         return x @ w if packed is None else kernels.linear(x, packed, w.shape[-1])
 
-    def _project(self, x, prev):
+    def _project(self, x: Tensor, prev: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """x, prev = x_t, x_{t-1} (B, T, D) -> r, k, v, log w (B, H, T, K) and g (B, T, D)."""
         B, T, _ = x.shape
         dx = prev - x
@@ -98,17 +100,17 @@ class RWKV6TimeMix(nn.Module):
         r, k, v, logw = (self._heads(t) for t in (self.receptance(xr), self.key(xk), self.value(xv), logw))
         return r, k, v, logw, F.silu(self.gate(xg))
 
-    def _out(self, o, g):  # o (B, H, T, V), g (B, T, D) -> (B, T, D)
+    def _out(self, o: Tensor, g: Tensor) -> Tensor:  # o (B, H, T, V), g (B, T, D) -> (B, T, D)
         B, H, T, V = o.shape
         o = self.ln_x(o.transpose(1, 2).reshape(B * T, H * V)).view(B, T, H * V)
         return self.output(o * g)
 
     @staticmethod
-    def _shifted(x, shift):  # x_{t-1} for every t, and the new token-shift state
+    def _shifted(x: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:  # x_{t-1} for every t, and the new token-shift state
         xx = torch.cat([shift[:, None], x], 1)
         return xx[:, :-1], xx[:, -1]
 
-    def forward(self, x, state=None, pos=None):
+    def forward(self, x: Tensor, state: LayerState | None = None, pos: Tensor | None = None) -> tuple[Tensor, LayerState | None]:
         shift = x.new_zeros(x.shape[0], x.shape[2]) if state is None else state["shift"]
         prev, shift = self._shifted(x, shift)  # prev (B, T, D), shift (B, D)
         r, k, v, logw, g = self._project(x, prev)  # (B, H, T, K), g (B, T, D)
@@ -116,13 +118,13 @@ class RWKV6TimeMix(nn.Module):
                                   self.chunk_size, bonus=self.bonus)  # (B, H, T, V)
         return self._out(o, g), (None if state is None else {"S": S, "shift": shift})  # (B, T, D)
 
-    def step(self, x, state, pos=None):
+    def step(self, x: Tensor, state: LayerState, pos: Tensor | None = None) -> tuple[Tensor, LayerState]:
         r, k, v, logw, g = self._project(x[:, None], state["shift"][:, None])  # (B, H, 1, K), g (B, 1, D)
         o, S = gated_attn_step(r[:, :, 0], k[:, :, 0], v[:, :, 0], logw[:, :, 0], state["S"], self.bonus,
                                inplace=True)  # (B, H, V)
         return self._out(o[:, :, None], g)[:, 0], {"S": S, "shift": x}  # (B, D)
 
-    def naive(self, x, state, pos=None):
+    def naive(self, x: Tensor, state: LayerState, pos: Tensor | None = None) -> tuple[Tensor, LayerState]:
         shift, prevs = state["shift"], []
         for t in range(x.shape[1]):  # the token shift one token at a time, like the recurrence
             prevs.append(shift)

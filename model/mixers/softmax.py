@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..config import ModelConfig
 from ..ops.conv import causal_conv, causal_conv_step
 from ..ops.naive import causal_conv_naive, rope_naive
 from ..ops.rope import rope
+from ..state import LayerState
 
 # A prefill onto a cache attends in blocks of query rows, so that one block's scores (B, H, rows, S)
 # and mask take at most about this many bytes: the scratch stays bounded however long the cache is,
@@ -42,7 +44,7 @@ class SoftmaxAttention(nn.Module):
     name = "softmax"
     time_dims: dict[str, int] = {"k": 2, "v": 2}
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         D, self.H = cfg.d_model, cfg.n_head
         self.base = cfg.rope_base
@@ -50,21 +52,21 @@ class SoftmaxAttention(nn.Module):
         self.conv = nn.Conv1d(3 * D, 3 * D, cfg.conv_kernel, groups=3 * D)
         self.out = nn.Linear(D, D, bias=False)
 
-    def init_state(self, batch, device=None, dtype=torch.float32):
+    def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> LayerState:
         D, H, W = self.out.in_features, self.H, self.conv.kernel_size[0]
         return {"k": torch.zeros(batch, H, 0, D // H, device=device, dtype=dtype),
                 "v": torch.zeros(batch, H, 0, D // H, device=device, dtype=dtype),
                 "conv": torch.zeros(batch, W - 1, 3 * D, device=device, dtype=dtype)}
 
-    def _split(self, qkv):  # (B, T, 3D) -> 3 x (B, H, T, K)
+    def _split(self, qkv: Tensor) -> Tensor:  # (B, T, 3D) -> 3 x (B, H, T, K)
         B, T, _ = qkv.shape
         return qkv.view(B, T, 3, self.H, -1).permute(2, 0, 3, 1, 4)
 
-    def _out(self, o):  # (B, H, T, K) -> (B, T, D)
+    def _out(self, o: Tensor) -> Tensor:  # (B, H, T, K) -> (B, T, D)
         B, H, T, K = o.shape
         return self.out(o.transpose(1, 2).reshape(B, T, H * K))
 
-    def forward(self, x, state=None, pos=None):
+    def forward(self, x: Tensor, state: LayerState | None = None, pos: Tensor | None = None) -> tuple[Tensor, LayerState | None]:
         B, T, _ = x.shape
         qkv, tail = causal_conv(self.qkv(x), None if state is None else state["conv"],
                                 self.conv.weight, self.conv.bias)
@@ -94,7 +96,7 @@ class SoftmaxAttention(nn.Module):
         o = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # (B, H, T, K)
         return self._out(o), {"k": kc, "v": vc, "conv": tail}
 
-    def step(self, x, state, pos):
+    def step(self, x: Tensor, state: LayerState, pos: Tensor) -> tuple[Tensor, LayerState]:
         B = x.shape[0]
         qkv, tail = causal_conv_step(self.qkv(x), state["conv"], self.conv.weight, self.conv.bias, inplace=True)
         q, k, v = self._split(qkv[:, None])  # (B, H, 1, K)
@@ -110,7 +112,7 @@ class SoftmaxAttention(nn.Module):
         o = F.scaled_dot_product_attention(q, kc[:, :, :need], vc[:, :, :need], attn_mask=mask[:, None, None, :])
         return self._out(o)[:, 0], {"k": kc, "v": vc, "conv": tail}
 
-    def naive(self, x, state, pos):
+    def naive(self, x: Tensor, state: LayerState, pos: Tensor) -> tuple[Tensor, LayerState]:
         """Token loop with explicit softmax over the growing cache, float32."""
         B, T, _ = x.shape
         tail, keys, vals = state["conv"], state["k"][:, :, : int(pos[0])], state["v"][:, :, : int(pos[0])]

@@ -18,11 +18,14 @@ Reference: `naive.decayed_attn_naive` / `naive.linear_attn_naive`.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 EPS = 1e-6
+SumState = tuple[Tensor, Tensor]  # (S (B, H, K, V), z (B, H, K))
 
 
-def decayed_attn_step(q, k, v, gamma, state, inplace=False):
+def decayed_attn_step(q: Tensor, k: Tensor, v: Tensor, gamma: Tensor, state: SumState,
+                      inplace: bool = False) -> tuple[Tensor, Tensor, SumState]:
     """One token: q, k (B, H, K), v (B, H, V); state (S, z). Returns num (B, H, V), den (B, H), (S, z).
     inplace: update S and z where they lie (decode; no state-sized temporaries) and return them."""
     S, z = state
@@ -36,7 +39,8 @@ def decayed_attn_step(q, k, v, gamma, state, inplace=False):
     return torch.einsum("bhk,bhkv->bhv", q, S), torch.einsum("bhk,bhk->bh", q, z), (S, z)
 
 
-def decayed_attn_chunked(q, k, v, gamma, initial_state=None, output_final_state=False, chunk_size=64):
+def decayed_attn_chunked(q: Tensor, k: Tensor, v: Tensor, gamma: Tensor, initial_state: SumState | None = None,
+                         output_final_state: bool = False, chunk_size: int = 64) -> tuple[Tensor, Tensor, SumState | None]:
     """Chunkwise form: inside a chunk of length L the decayed attention matrix
     (phi(Q) phi(K)^T * D), D[t, s] = gamma^(t-s) for s <= t, carries the intra-chunk part; the
     state from earlier chunks enters as gamma^(t+1) phi(q_t)^T S. O(T L) work, T/L sequential
@@ -80,19 +84,21 @@ def decayed_attn_chunked(q, k, v, gamma, initial_state=None, output_final_state=
     return num, den, (S, z)
 
 
-def linear_attn_step(q, k, v, gamma, state, eps=EPS, inplace=False):
+def linear_attn_step(q: Tensor, k: Tensor, v: Tensor, gamma: Tensor, state: SumState, eps: float = EPS,
+                     inplace: bool = False) -> tuple[Tensor, SumState]:
     """One token: q, k (B, H, K), v (B, H, V); state (S, z). Returns o (B, H, V), (S, z)."""
     num, den, state = decayed_attn_step(q, k, v, gamma, state, inplace)
     return num / (den[..., None] + eps), state
 
 
-def linear_attn_chunked(q, k, v, gamma, initial_state=None, output_final_state=False, chunk_size=64, eps=EPS):
+def linear_attn_chunked(q: Tensor, k: Tensor, v: Tensor, gamma: Tensor, initial_state: SumState | None = None,
+                        output_final_state: bool = False, chunk_size: int = 64, eps: float = EPS) -> tuple[Tensor, SumState | None]:
     """`decayed_attn_chunked`, normalised: o (B, H, T, V) and the final (S, z) (None unless asked for)."""
     num, den, state = decayed_attn_chunked(q, k, v, gamma, initial_state, output_final_state, chunk_size)
     return num / (den[..., None] + eps), state
 
 
-def linear_attn_noncausal(q, k, v, eps=EPS):
+def linear_attn_noncausal(q: Tensor, k: Tensor, v: Tensor, eps: float = EPS) -> Tensor:
     """Non-causal matrix form: phi(Q) (phi(K)^T V) normalised by phi(Q) sum_s phi(k_s)
     (Katharopoulos et al. 2020, eq. 5). Associativity makes it O(T K V) instead of O(T^2)."""
     kv = k.transpose(-1, -2) @ v  # (B, H, K, V)

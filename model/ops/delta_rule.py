@@ -12,16 +12,18 @@ The reference is `naive.delta_rule_naive`; tests/model/test_fla.py holds both fo
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 
-def delta_rule_step(q, k, v, beta, S):
+def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
     """One token: q, k (B, H, K), v (B, H, V), beta (B, H), S (B, H, K, V), updated in place."""
     u = beta[..., None] * (v - torch.einsum("bhk,bhkv->bhv", k, S))  # (B, H, V)
     S.addcmul_(k[..., :, None], u[..., None, :])
     return torch.einsum("bhk,bhkv->bhv", q, S), S
 
 
-def delta_rule_chunked(q, k, v, beta, initial_state, chunk_size=32):
+def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Tensor,
+                       chunk_size: int = 32) -> tuple[Tensor, Tensor]:
     """The chunkwise form (module docstring); any T, any initial state."""
     S, outs = initial_state, []
     for start in range(0, q.shape[2], chunk_size):

@@ -27,9 +27,11 @@ Used by `gla` (inclusive) and `rwkv` (exclusive). Reference: `naive.gated_attn_n
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 
-def gated_attn_step(q, k, v, g, S, bonus=None, inplace=False):
+def gated_attn_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, S: Tensor, bonus: Tensor | None = None,
+                    inplace: bool = False) -> tuple[Tensor, Tensor]:
     """One token: q, k, g (B, H, K), v (B, H, V), S (B, H, K, V) -> o (B, H, V), S.
     inplace: update S where it lies (decode; no state-sized temporaries) and return it."""
     o = None if bonus is None else torch.einsum("bhk,bhkv->bhv", q, S) + (q * bonus * k).sum(-1, keepdim=True) * v
@@ -44,7 +46,8 @@ GROUP = 64  # chunks computed side by side
 FACTOR_EXP = 40.0  # the largest |exponent| of a factorised weight's factors: e^40 ~ 2e17, e^-40 ~ 4e-18
 
 
-def gated_attn_chunked(q, k, v, g, initial_state=None, output_final_state=False, chunk_size=16, bonus=None):
+def gated_attn_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, initial_state: Tensor | None = None,
+                       output_final_state: bool = False, chunk_size: int = 16, bonus: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Chunkwise form of the same recurrence (see the module docstring); any T, any initial state.
     Returns o (B, H, T, V) and the final S (None unless asked for). T is padded to whole chunks
     with tokens that change nothing (no decay; zero query, key and value)."""
@@ -75,7 +78,7 @@ def gated_attn_chunked(q, k, v, g, initial_state=None, output_final_state=False,
             diff = (bqs[:, :, None, :] - bs[:, None, :, :]).masked_fill(~causal[:, :, None], float("-inf"))
             attn[steep] = (qs[:, :, None, :] * ks[:, None, :, :] * torch.exp(diff)).sum(-1)  # (M, L, L)
         o = attn @ vc  # (B, H, n, L, V)
-        if exclusive:
+        if bonus is not None:  # exclusive
             o = o + (qc * bonus[:, None, None] * kc).sum(-1, keepdim=True) * vc
         bL = b[..., -1:, :]  # (B, H, n, 1, K): each chunk's whole decay
         dS = (kc * torch.exp(bL - b)).transpose(-1, -2) @ vc  # (B, H, n, K, V): each chunk's own additions

@@ -11,12 +11,13 @@ Dimension glossary (the letters each family's paper uses):
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 EPS = 1e-6
 NO_MAX = -1e38
 
 
-def causal_conv_naive(x, tail, weight, bias):
+def causal_conv_naive(x: Tensor, tail: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """y_t[c] = bias[c] + sum_{w<W} weight[c, 0, w] u_{t+w}[c], u = [tail, x] along time.
     x (B, T, C), tail (B, W-1, C), weight (C, 1, W). Returns y (B, T, C) (x's dtype) and the new tail."""
     B, T, C = x.shape
@@ -31,7 +32,7 @@ def causal_conv_naive(x, tail, weight, bias):
     return y.to(x.dtype), u[:, T:]
 
 
-def rope_naive(x, positions, base):
+def rope_naive(x: Tensor, positions: Tensor, base: float) -> Tensor:
     """RoFormer (Su et al. 2021) eq. 34 in its complex form: the pair (x_i, x_{i+K/2}) is the complex
     number x_i + i x_{i+K/2}, multiplied by e^{i m theta_i}, theta_i = base^(-2i/K), m the position.
     x (..., T, K); positions broadcastable to (..., T)."""
@@ -43,7 +44,8 @@ def rope_naive(x, positions, base):
     return torch.cat([rotated.real, rotated.imag], -1).to(x.dtype)
 
 
-def decayed_attn_naive(q, k, v, gamma, initial_state=None):
+def decayed_attn_naive(q: Tensor, k: Tensor, v: Tensor, gamma: Tensor,
+                       initial_state: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
     """Katharopoulos et al. 2020 eq. 4-6 with RetNet's per-head decay (Sun et al. 2023 eq. 1-3):
         S_t = gamma S_{t-1} + k_t v_t^T,  z_t = gamma z_{t-1} + k_t,  num_t = q_t^T S_t,  den_t = q_t^T z_t
     q, k (B, H, T, K) feature-mapped, v (B, H, T, V), gamma (H,), initial_state (S, z) or None.
@@ -65,14 +67,15 @@ def decayed_attn_naive(q, k, v, gamma, initial_state=None):
     return num, den, (S, z)
 
 
-def linear_attn_naive(q, k, v, gamma, initial_state=None, eps=EPS):
+def linear_attn_naive(q: Tensor, k: Tensor, v: Tensor, gamma: Tensor, initial_state: tuple[Tensor, Tensor] | None = None,
+                      eps: float = EPS) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """o_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps) (Katharopoulos et al. 2020, eq. 6).
     Returns o (B, H, T, V) and the final (S, z)."""
     num, den, state = decayed_attn_naive(q, k, v, gamma, initial_state)
     return num / (den[..., None] + eps), state
 
 
-def linear_attn_noncausal_recurrent(q, k, v, eps=EPS):
+def linear_attn_noncausal_recurrent(q: Tensor, k: Tensor, v: Tensor, eps: float = EPS) -> Tensor:
     """Non-causal linear attention as a recurrent sum: accumulate S = sum_s phi(k_s) v_s^T and
     z = sum_s phi(k_s) over all s, then read every query against them (Katharopoulos et al. 2020,
     eq. 5). q, k (B, H, T, K), v (B, H, T, V) -> o (B, H, T, V)."""
@@ -84,7 +87,8 @@ def linear_attn_noncausal_recurrent(q, k, v, eps=EPS):
     return torch.einsum("bhtk,bhkv->bhtv", q, S) / (torch.einsum("bhtk,bhk->bht", q, z)[..., None] + eps)
 
 
-def gated_attn_naive(q, k, v, g, initial_state=None, bonus=None):
+def gated_attn_naive(q: Tensor, k: Tensor, v: Tensor, g: Tensor, initial_state: Tensor | None = None,
+                     bonus: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Gated linear attention, Yang et al. 2023 eq. 3-4, with g_t = log alpha_t:
         S_t = diag(alpha_t) S_{t-1} + k_t^T v_t,   o_t = q_t S_t
     or, given the bonus u, RWKV-6's form (Peng et al. 2024, sec. 4: wkv_t = diag(u) k_t^T v_t + S_{t-1}):
@@ -107,7 +111,8 @@ def gated_attn_naive(q, k, v, g, initial_state=None, bonus=None):
     return o, S
 
 
-def selective_scan_naive(x, delta, A, B, C, D, initial_state=None):
+def selective_scan_naive(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+                         initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Mamba (Gu & Dao 2023) eq. 2a-2b with the discretisation of eq. 4 (ZOH for A, Euler for B):
         h_t = exp(delta_t A) h_{t-1} + delta_t B_t x_t,   y_t = C_t h_t + D x_t
     x, delta (b, l, e); A (e, n); B, C (b, l, n); D (e,); initial_state h (b, e, n) or None.
@@ -123,7 +128,8 @@ def selective_scan_naive(x, delta, A, B, C, D, initial_state=None):
     return y, h
 
 
-def ssd_naive(x, delta, A, B, C, D, initial_state=None):
+def ssd_naive(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+              initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Mamba-2 (Dao & Gu 2024), sec. 3's scalar-decay SSM, token by token:
         S_t = exp(delta_t A) S_{t-1} + delta_t x_t B_t^T,   y_t = S_t C_t + D x_t
     x (b, l, h, p); delta (b, l, h); A, D (h,); B, C (b, l, h, n); initial_state S (b, h, p, n) or
@@ -139,7 +145,8 @@ def ssd_naive(x, delta, A, B, C, D, initial_state=None):
     return y, S
 
 
-def wkv_naive(k, v, w, u, initial_state=None):
+def wkv_naive(k: Tensor, v: Tensor, w: Tensor, u: Tensor,
+              initial_state: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """RWKV-4's WKV (Peng et al. 2023, eq. 14) as the sums it is written as, for every t:
         wkv_t = (e^{max_0 - t w} num_0 + sum_{s<t} e^{k_s - (t-1-s) w} v_s + e^{u + k_t} v_t)
               / (e^{max_0 - t w} den_0 + sum_{s<t} e^{k_s - (t-1-s) w}     + e^{u + k_t})
@@ -153,7 +160,7 @@ def wkv_naive(k, v, w, u, initial_state=None):
         initial_state = (k.new_zeros(b, a), k.new_zeros(b, a), k.new_full((b, a), NO_MAX))
     num0, den0, max0 = (t.float() for t in initial_state)
 
-    def sums(t, current):  # exponents (b, terms, a) and values of the terms of wkv_t
+    def sums(t: int, current: bool) -> tuple[Tensor, Tensor, Tensor]:  # exponents and values of the terms of wkv_t
         s = torch.arange(t, device=k.device, dtype=torch.float32)
         logs = [(max0 - t * w)[:, None], k[:, :t] - (t - 1 - s)[:, None] * w]
         nums, dens = [num0[:, None], v[:, :t]], [den0[:, None], torch.ones_like(v[:, :t])]
@@ -173,7 +180,7 @@ def wkv_naive(k, v, w, u, initial_state=None):
     return out, sums(l, current=False)
 
 
-def delta_rule_naive(q, k, v, beta, initial_state):
+def delta_rule_naive(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Tensor) -> tuple[Tensor, Tensor]:
     """Reference token loop in float32, the rule as a rank-one update of S. q, k (B, H, T, K),
     v (B, H, T, V), beta (B, H, T), initial_state (B, H, K, V). Returns o (B, H, T, V) and S."""
     q, k, v, beta = q.float(), k.float(), v.float(), beta.float()
@@ -187,7 +194,7 @@ def delta_rule_naive(q, k, v, beta, initial_state):
     return (torch.stack(out, 2) if out else v[:, :, :0]), S
 
 
-def rwkv7_naive(q, w, k, v, a, b, initial_state):
+def rwkv7_naive(q: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, initial_state: Tensor) -> tuple[Tensor, Tensor]:
     """RWKV-7's state evolution (Peng et al. 2025, sec. 4: S_t = S_{t-1} (diag(w_t) + a_t^T b_t) + v_t^T k_t
     in the paper's (V, K) orientation), written here for S (K, V) with an explicit transition matrix:
         G_t = diag(e^{w_t}) + b_t a_t^T  (K, K),   S_t = G_t S_{t-1} + k_t v_t^T,   o_t = S_t^T q_t

@@ -23,9 +23,10 @@ S (B, H, K, V), all float32. Used by `fla-rwkv7`. Reference: `naive.rwkv7_naive`
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 
-def rwkv7_step(q, w, k, v, a, b, S):
+def rwkv7_step(q: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
     """One token: q, w, k, a, b (B, H, K), v (B, H, V), S (B, H, K, V), updated in place."""
     u = torch.einsum("bhk,bhkv->bhv", a, S)  # (B, H, V): read before S changes
     S.mul_(torch.exp(w)[..., None]).addcmul_(b[..., :, None], u[..., None, :]).addcmul_(k[..., :, None], v[..., None, :])
@@ -35,7 +36,8 @@ def rwkv7_step(q, w, k, v, a, b, S):
 MIN_CHUNK_LOG_DECAY = -80.0  # e^80 is float32-safe (max ~e^88.7)
 
 
-def rwkv7_chunked(q, w, k, v, a, b, initial_state, output_final_state=True, chunk_size=16):
+def rwkv7_chunked(q: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, initial_state: Tensor,
+                  output_final_state: bool = True, chunk_size: int = 16) -> tuple[Tensor, Tensor | None]:
     """The chunkwise form (module docstring); any T, any initial state. Returns o (B, H, T, V), S."""
     if w.numel() and float(w.min()) * chunk_size < MIN_CHUNK_LOG_DECAY:
         raise ValueError(f"log decays down to {float(w.min()):.3g} over {chunk_size}-token chunks leave float32's "

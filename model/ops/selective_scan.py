@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch import Tensor
 
 from ..kernels import selective_scan as kernel
 
@@ -33,7 +34,8 @@ log = logging.getLogger(__name__)
 _kernel_failed: str | None = None  # why the kernel could not be built, once it has failed
 
 
-def selective_scan(x, delta, A, B, C, D, initial_state=None, output_final_state=False):
+def selective_scan(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+                   initial_state: Tensor | None = None, output_final_state: bool = False) -> tuple[Tensor, Tensor | None]:
     """The recurrence over a sequence; returns y (b, l, e) and the final h (None unless asked for).
     Through the kernel where `uses_kernel` says so, else the torch form."""
     if uses_kernel(x, delta, A, B, C, D, initial_state):
@@ -42,7 +44,8 @@ def selective_scan(x, delta, A, B, C, D, initial_state=None, output_final_state=
     return selective_scan_torch(x, delta, A, B, C, D, initial_state, output_final_state)
 
 
-def uses_kernel(x, delta, A, B, C, D, initial_state=None) -> bool:
+def uses_kernel(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+                initial_state: Tensor | None = None) -> bool:
     """Whether `selective_scan` runs these inputs through the C++ kernel: CPU float32 tensors (A and
     D may be bfloat16 or float16, which the torch form widens too), no gradient asked for, outside a
     torch.compile trace, a state size the kernel holds, and the kernel built (a failed build is
@@ -64,7 +67,8 @@ def uses_kernel(x, delta, A, B, C, D, initial_state=None) -> bool:
     return True
 
 
-def selective_scan_torch(x, delta, A, B, C, D, initial_state=None, output_final_state=False):
+def selective_scan_torch(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+                         initial_state: Tensor | None = None, output_final_state: bool = False) -> tuple[Tensor, Tensor | None]:
     """`selective_scan` in torch ops (differentiable; any device and dtype)."""
     dA = torch.exp(delta[..., None] * A)  # (b, l, e, n)
     dBx = (delta * x)[..., None] * B[:, :, None, :]  # (b, l, e, n)
@@ -78,7 +82,8 @@ def selective_scan_torch(x, delta, A, B, C, D, initial_state=None, output_final_
     return y, (h if output_final_state else None)
 
 
-def selective_scan_step(x, delta, A, B, C, D, h, inplace=False):
+def selective_scan_step(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, h: Tensor,
+                        inplace: bool = False) -> tuple[Tensor, Tensor]:
     """One token: x, delta (b, e); B, C (b, n); h (b, e, n) -> y (b, e), h.
     inplace: update h where it lies (decode); the same two ops in the same order either way, so the
     bits do not change."""

@@ -18,9 +18,11 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
 
-def ssd_chunked(x, delta, A, B, C, D, initial_state=None, output_final_state=False, chunk_size=64):
+def ssd_chunked(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, initial_state: Tensor | None = None,
+                output_final_state: bool = False, chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
     """The recurrence, `chunk_size` tokens at a time through the closed form above.
     Returns y (b, l, h, p) and the final S (None unless asked for)."""
     b, _, h, p = x.shape
@@ -44,7 +46,7 @@ def ssd_chunked(x, delta, A, B, C, D, initial_state=None, output_final_state=Fal
     return y, (S if output_final_state else None)
 
 
-def ssd_step(x, delta, A, B, C, D, S):
+def ssd_step(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
     """One token: x (b, h, p), delta (b, h), B, C (b, h, n), S (b, h, p, n) -> y (b, h, p), S."""
     S = torch.exp(delta * A)[..., None, None] * S + (delta[..., None] * x)[..., None] * B[:, :, None]  # (b, h, p, n)
     return torch.einsum("bhpn,bhn->bhp", S, C) + D[:, None] * x, S

@@ -17,17 +17,19 @@ k, v (b, l, a) float32; w, u (a,); state (num, den, max) each (b, a). Reference:
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 NO_MAX = -1e38  # the log scale of empty sums (transformers starts from the same value)
+WKVState = tuple[Tensor, Tensor, Tensor]  # (num, den, max), each (b, a)
 
 
-def wkv_init(k):
+def wkv_init(k: Tensor) -> WKVState:
     """The empty state for k's batch and width: num = den = 0 at log scale NO_MAX."""
     b, _, a = k.shape
     return k.new_zeros(b, a), k.new_zeros(b, a), k.new_full((b, a), NO_MAX)
 
 
-def wkv_step(k, v, w, u, state):
+def wkv_step(k: Tensor, v: Tensor, w: Tensor, u: Tensor, state: WKVState) -> tuple[Tensor, WKVState]:
     """One token: k, v (b, a); state (num, den, max) -> out (b, a), the new state."""
     num, den, mx = state
     m = torch.maximum(mx, u + k)
@@ -38,7 +40,8 @@ def wkv_step(k, v, w, u, state):
     return out, (e1 * num + e2 * v, e1 * den + e2, m)
 
 
-def wkv_chunked(k, v, w, u, initial_state=None, output_final_state=False, chunk_size=64):
+def wkv_chunked(k: Tensor, v: Tensor, w: Tensor, u: Tensor, initial_state: WKVState | None = None,
+                output_final_state: bool = False, chunk_size: int = 64) -> tuple[Tensor, WKVState | None]:
     """The same, `chunk_size` tokens at a time: (b, L, L, a) log-weights, one max per output.
     Returns out (b, l, a) and the final (num, den, max) (None unless asked for)."""
     num, den, mx = wkv_init(k) if initial_state is None else initial_state

@@ -18,6 +18,7 @@ import json
 import logging
 import resource
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..core.errors import body, reply
@@ -40,26 +41,26 @@ def protocol(header_timeout: float, max_connections: int, max_header_bytes: int 
         _refused = False  # answered from here: what the parser still finds of the request is dropped
         _draining = False  # the server is shutting down
 
-        def connection_made(self, transport):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn declares it
             super().connection_made(transport)
             if len(self.connections) > max_connections:
                 return self._refuse(503, b"Service Unavailable", "too_many_connections",
                                     f"the server holds its maximum of {max_connections} connections; retry shortly")
             self._await_headers()
 
-        def _refuse(self, status: int, reason: bytes, type: str, message: str):
+        def _refuse(self, status: int, reason: bytes, type: str, message: str) -> None:
             data = json.dumps(body(type, message)).encode()
             retry = b"retry-after: 1\r\n" if status == 503 else b""
             self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n%sconnection: close\r\n"
                                  b"content-length: %d\r\n\r\n%s" % (status, reason, retry, len(data), data))
             self.transport.close()
 
-        def _await_headers(self):
+        def _await_headers(self) -> None:
             self._cancel_header_timer()
             self._header_bytes = 0
             self._header_timer = self.loop.call_later(header_timeout, self._headers_too_slow)
 
-        def data_received(self, data):
+        def data_received(self, data: bytes) -> None:
             super().data_received(data)
             # counted after parsing, so that a body sent in the same packet as its headers is not
             if self._header_timer is not None and not self.transport.is_closing():
@@ -69,29 +70,29 @@ def protocol(header_timeout: float, max_connections: int, max_header_bytes: int 
                     self._refuse(431, b"Request Header Fields Too Large", "headers_too_large",
                                  f"request line and headers exceed {max_header_bytes} bytes")
 
-        def _cancel_header_timer(self):
+        def _cancel_header_timer(self) -> None:
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
 
-        def _headers_too_slow(self):
+        def _headers_too_slow(self) -> None:
             self._header_timer = None
             if not self.transport.is_closing():
                 self.transport.close()
 
-        def on_message_begin(self):
+        def on_message_begin(self) -> None:
             super().on_message_begin()
             self._parsed = 0
 
-        def on_url(self, url):
+        def on_url(self, url: bytes) -> None:
             self._parsed += len(url)
             super().on_url(url)
 
-        def on_header(self, name, value):
+        def on_header(self, name: bytes, value: bytes) -> None:
             self._parsed += len(name) + len(value) + 4  # ": " and CRLF
             super().on_header(name, value)
 
-        def on_headers_complete(self):
+        def on_headers_complete(self) -> None:
             self._cancel_header_timer()
             if self._parsed > max_header_bytes:  # however it arrived: a whole request in one read too
                 self._refused = True
@@ -103,15 +104,15 @@ def protocol(header_timeout: float, max_connections: int, max_header_bytes: int 
                                     "the server is shutting down; retry on another replica or after restart")
             super().on_headers_complete()
 
-        def on_body(self, body):
+        def on_body(self, body: bytes) -> None:
             if not self._refused:
                 super().on_body(body)
 
-        def on_message_complete(self):
+        def on_message_complete(self) -> None:
             if not self._refused:
                 super().on_message_complete()
 
-        def shutdown(self):
+        def shutdown(self) -> None:
             """SIGTERM. A connection mid-request closes once its response is sent (uvicorn's way);
             an idle one stays open `drain_linger` seconds, so that a request its client has
             already sent gets 503 and Retry-After (on_headers_complete) rather than a reset."""
@@ -121,16 +122,16 @@ def protocol(header_timeout: float, max_connections: int, max_header_bytes: int 
             self._cancel_header_timer()
             self.loop.call_later(drain_linger, self._close_idle)
 
-        def _close_idle(self):
+        def _close_idle(self) -> None:
             if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
                 self.transport.close()
 
-        def on_response_complete(self):
+        def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing() and not self.pipeline:  # a pipelined one has its headers
                 self._await_headers()
 
-        def connection_lost(self, exc):
+        def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()
             super().connection_lost(exc)
 
@@ -143,16 +144,16 @@ class BodyTimeout:
     whatever it answers to that is replaced by the 408. Once the body is complete, `receive` is
     passed through: a stream waits on it for the client's disconnect for as long as it runs."""
 
-    def __init__(self, app, timeout: float):
+    def __init__(self, app: ASGIApp, timeout: float) -> None:
         self.app, self.timeout = app, timeout
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         loop = asyncio.get_running_loop()
         deadline, complete, timed_out, started = None, False, False, False
 
-        async def timed():
+        async def timed() -> Message:
             nonlocal deadline, complete, timed_out
             if complete:
                 return await receive()
@@ -165,7 +166,7 @@ class BodyTimeout:
             complete = msg["type"] != "http.request" or not msg.get("more_body", False)
             return msg
 
-        async def sending(msg):
+        async def sending(msg: Message) -> None:
             nonlocal started
             if timed_out:
                 return

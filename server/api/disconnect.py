@@ -13,6 +13,8 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
+from starlette.types import Receive
+
 T = TypeVar("T")
 
 
@@ -20,14 +22,14 @@ class ClientGone(Exception):
     """The client closed the connection before the response was ready: nothing is sent."""
 
 
-async def _disconnected(receive) -> None:
+async def _disconnected(receive: Receive) -> None:
     """Return once the client has left. Only after the whole body has been read: until then
     `receive` hands out the body, which is the route's."""
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
-async def unless_gone(work: Awaitable[T], receive) -> T:
+async def unless_gone(work: Awaitable[T], receive: Receive) -> T:
     """`work`'s result; if the client leaves first, `work` is cancelled, has finished unwinding
     when this returns, and ClientGone is raised."""
     task = asyncio.ensure_future(work)

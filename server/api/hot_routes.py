@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import orjson
 from fastapi.routing import APIRoute, APIRouter
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..core.errors import EXPECTED, response_for
 from .disconnect import ClientGone, unless_gone
@@ -45,16 +46,17 @@ class Hot:
     """A hot route as FastAPI declares it: `template` its path (what metrics label it with),
     `schema` its body's model, and where each of its function's parameters comes from."""
 
-    def __init__(self, route: APIRoute):
+    def __init__(self, route: APIRoute) -> None:
         d, where = route.dependant, f"{route.path}: a hot route"
         if d.query_params or d.cookie_params or len(d.body_params) != 1 or any(
                 getattr(d, n) for n in ("websocket_param_name", "http_connection_param_name", "response_param_name",
                                         "background_tasks_param_name", "security_scopes_param_name")):
             raise TypeError(f"{where} takes one JSON body, path parameters, headers, the Request and dependencies")
         body = d.body_params[0]
-        self.schema = body.field_info.annotation
-        if getattr(body.field_info, "embed", False) or not (isinstance(self.schema, type) and issubclass(self.schema, BaseModel)):
+        schema = body.field_info.annotation
+        if getattr(body.field_info, "embed", False) or not (isinstance(schema, type) and issubclass(schema, BaseModel)):
             raise TypeError(f"{where}'s body is one pydantic model, not embedded")
+        self.schema: type[BaseModel] = schema
         if any(p.field_info.annotation is not str for p in d.path_params) or ":" in route.path:
             raise TypeError(f"{where}'s path parameters are plain strings")
         if any(h.field_info.is_required() for h in d.header_params):
@@ -69,13 +71,14 @@ class Hot:
         # (parameter name, the raw header's name, its default), in the function's order
         self.headers = [(h.name, h.alias.lower().encode("latin-1"), h.field_info.default) for h in d.header_params]
         # (parameter name or None for a router's own, its function), in the order FastAPI solves them
-        self.dependencies: list[tuple[str | None, Callable]] = [(dep.name, dep.call) for dep in d.dependencies]
+        self.dependencies: list[tuple[str | None, Callable[[Request], Awaitable[object]]]] = [
+            (dep.name, dep.call) for dep in d.dependencies if dep.call is not None]  # (each is: checked above)
 
-    async def __call__(self, req: BaseModel, value: str | None, scope, receive) -> Response:
+    async def __call__(self, req: BaseModel, value: str | None, scope: Scope, receive: Receive) -> Response:
         """The route's function called as FastAPI calls it, on a body already validated and the
         path parameter's `value`."""
         request = Request(scope, receive)
-        kw = {self.body: req}
+        kw: dict[str, object] = {self.body: req}
         for name, dep in self.dependencies:
             got = await dep(request)
             if name is not None:
@@ -93,13 +96,15 @@ class Hot:
         return response
 
 
-def _table(routers: tuple[APIRouter, ...], endpoints: tuple) -> tuple[dict, dict]:
+def _table(routers: tuple[APIRouter, ...], endpoints: tuple) -> tuple[dict[str, Hot], dict[str, dict[str, Hot]]]:
     """-> (exact path -> Hot, {the path before its one parameter: {what follows it -> Hot}}), from
     the routers' POST routes whose functions are `endpoints`."""
-    exact, params, found = {}, {}, set()
+    exact: dict[str, Hot] = {}
+    params: dict[str, dict[str, Hot]] = {}
+    found = set()
     for router in routers:
         for r in router.routes:
-            if isinstance(r, APIRoute) and r.endpoint in endpoints and "POST" in r.methods:
+            if isinstance(r, APIRoute) and r.endpoint in endpoints and "POST" in (r.methods or ()):
                 hot, (head, brace, rest) = Hot(r), r.path.partition("{")
                 tail = rest.partition("}")[2]
                 if not brace:
@@ -143,10 +148,10 @@ def _json(headers: list) -> bool:
 class HotRoutes:
     """ASGI middleware: the hot routes served directly, everything else passed to `app`."""
 
-    def __init__(self, app):
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         hit = match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if hit is None or not _json(scope["headers"]):
             return await self.app(scope, receive, send)
@@ -188,11 +193,11 @@ def _header(headers: list, name: bytes) -> str | None:
     return None
 
 
-def _replay(data: bytes, receive):
+def _replay(data: bytes, receive: Receive) -> Receive:
     """`receive` with the body already read given back first, whole."""
     sent = False
 
-    async def replay():
+    async def replay() -> Message:
         nonlocal sent
         if sent:
             return await receive()

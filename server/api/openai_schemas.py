@@ -89,7 +89,8 @@ class OpenAISampling(Sampling, Guided, StateFields):
 class Completion(OpenAISampling):
     prompt: Prompt | Prompts | Tokens | TokenPrompts = Field(
         "", description="text, token ids, or a list of either (one choice per prompt)")
-    max_tokens: int | None = Field(COMPLETION_MAX_TOKENS, ge=0, le=MAX_NEW_TOKENS,
+    # null: the route's default (asked_tokens), where the session API's Sampling takes a number only
+    max_tokens: int | None = Field(COMPLETION_MAX_TOKENS, ge=0, le=MAX_NEW_TOKENS,  # type: ignore[assignment]
                                    description=f"null = {COMPLETION_MAX_TOKENS}; also at most the server's max_new_tokens")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -118,7 +119,7 @@ class Message(Body):
 
 class Chat(OpenAISampling):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS,
+    max_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS,  # type: ignore[assignment]  # as Completion's
                                    description=f"null = {DEFAULT_MAX_TOKENS}; also at most the server's max_new_tokens")
     max_completion_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS,
                                               description="takes precedence over max_tokens")
@@ -169,6 +170,7 @@ def _call(c: dict, param: str) -> dict:
     for field, value, kind in (("type", c.get("type", "function"), str), ("function", f, dict)):
         if not isinstance(value, kind) or (field == "type" and value != "function"):
             raise _bad_call(f"{param}.{field}", "'function'" if field == "type" else '{"name", "arguments"}', value)
+    assert isinstance(f, dict)  # (checked just above)
     for field in ("name", "arguments"):
         if not isinstance(f.get(field), str):
             raise _bad_call(f"{param}.function.{field}", "a string", f.get(field))
@@ -180,7 +182,7 @@ def _call(c: dict, param: str) -> dict:
     return {"name": f.get("name"), "parameters": args}
 
 
-def _bad_call(param: str, wanted: str, got) -> APIError:
+def _bad_call(param: str, wanted: str, got: object) -> APIError:
     if got is None:
         return APIError(400, "invalid_request", f"{param}: missing; a tool call is {CALL_SHAPE}", param=param,
                         code="missing_required_parameter")

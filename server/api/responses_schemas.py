@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, overload
 
 from pydantic import ConfigDict, Field
 
@@ -196,6 +196,10 @@ def as_chat(req: CreateResponse) -> ChatView:
     return ChatView(tools or None, choice, req.parallel_tool_calls, rf)
 
 
+@overload
+def responses_param(param: str) -> str: ...
+@overload
+def responses_param(param: None) -> None: ...
 def responses_param(param: str | None) -> str | None:
     """A chat field's name as this route's request names it: tools[0].function.name -> tools[0].name,
     response_format.json_schema.schema -> text.format.schema."""

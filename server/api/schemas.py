@@ -137,25 +137,28 @@ class Restore(Body):
 
 # -- response bodies --------------------------------------------------------------------------
 
+Responses = dict[int | str, dict[str, Any]]  # a route's `responses=`: status -> what FastAPI documents
+
+
 class ResponseBody(BaseModel):
     """A response body. Every field the server sends is named: a body with another one fails
     validation (in the tests, and in schemathesis' check of answers against the document)."""
     model_config = ConfigDict(extra="forbid")
 
 
-def answers(model: type[ResponseBody], status: int = 200, **more) -> dict:
+def answers(model: type[ResponseBody], status: int = 200, **more: Any) -> Responses:
     """A route's `responses=`: its `status` answer is `model` (documented, not enforced)."""
     return {status: {"model": model, **more}}
 
 
-def streamed(model: type[ResponseBody]) -> dict:
+def streamed(model: type[ResponseBody]) -> Responses:
     """`responses=` of a route that streams SSE, or answers `model` as one JSON body (stream=false)."""
     return answers(model, description="an SSE stream (stream=true) or one JSON body",
                    content={"text/event-stream": {"schema": {"type": "string"}}})
 
 
 # GET /v1/sessions/{id}/state: the state blob, not JSON
-STATE_BLOB = {200: {"description": "the state blob (safetensors)",
+STATE_BLOB: Responses = {200: {"description": "the state blob (safetensors)",
                     "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
 
 

@@ -3,10 +3,12 @@ gathered into one JSON body."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import orjson
 from sse_starlette.sse import EventSourceResponse, SendTimeoutError
+from starlette.types import Message, Receive, Scope, Send
 
 from ..core.errors import APIError
 from ..core.settings import Settings
@@ -17,17 +19,17 @@ class _Stream(EventSourceResponse):
     """Calls `ended` when the response is over, however it ends: a client that leaves before
     the first event is sent never starts the generator, whose own `finally` would not run."""
 
-    def __init__(self, gen, ended, **kw):
+    def __init__(self, gen: AsyncIterator[bytes], ended: Callable[[], None], **kw: Any) -> None:
         super().__init__(gen, **kw)
         self.ended = ended
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.ended()
 
-    async def _send_with_timeout(self, send, message) -> None:
+    async def _send_with_timeout(self, send: Send, message: Message) -> None:
         """sse-starlette's per-send timeout, timed by asyncio's own timer: its anyio cancel scope
         (backend sniffing, a scope tied to the task) is a real share of the event loop's CPU per
         token at one stream (`python -m benchmarks.serving.thread_cpu` measures that CPU per
@@ -41,7 +43,7 @@ class _Stream(EventSourceResponse):
             raise SendTimeoutError() from None
 
 
-def sse_response(gen, ended: Callable[[], None], cfg: Settings) -> EventSourceResponse:
+def sse_response(gen: AsyncIterator[bytes], ended: Callable[[], None], cfg: Settings) -> EventSourceResponse:
     """SSE with a keep-alive comment every `sse_ping_s` seconds, so that a stream waiting (on a long
     prefill, a queue) is not taken for dead by a proxy or a client's read timeout; a reader too
     slow to take an event within `stream_send_timeout` seconds loses the stream (its session keeps
@@ -53,7 +55,7 @@ def sse_response(gen, ended: Callable[[], None], cfg: Settings) -> EventSourceRe
                    shutdown_grace_period=cfg.graceful_shutdown_s)
 
 
-async def sse(st: Stream):
+async def sse(st: Stream) -> AsyncIterator[bytes]:
     """The session stream: `event: token` per token, then `event: done`, then the end sentinel
     `data: [DONE]` (no event name), after which the server closes the stream. Every event's `id:`
     is the session's position after it, so a client knows exactly what its session holds."""
@@ -85,8 +87,10 @@ class Gathered:
     done event's fields. A failed generation keeps fewer tokens than it emitted: the body says
     only those."""
 
-    def __init__(self):
-        self.toks, self.text, self.lps = [], [], []
+    def __init__(self) -> None:
+        self.toks: list[int] = []
+        self.text: list[str] = []
+        self.lps: list[object] = []  # each token's logprobs entry, where asked for
 
     def add(self, kind: str, ev: dict) -> dict | None:
         """Take one event; -> the body once it was the done event."""

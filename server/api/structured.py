@@ -25,12 +25,15 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from linstream.model.constrain import Kind
+
 from ..core.errors import APIError
 from ..runtime.constraints import Constraint
-from .openai_schemas import Chat, OpenAISampling
+from .openai_schemas import Chat, OpenAISampling, ResponseFormat
+from .responses_schemas import ChatView
 from .schemas import Guided
 
-GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
+GUIDED: dict[str, Kind] = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
 ANY_OBJECT = {"type": "object"}
 NO_PARAMETERS = {"type": "object", "properties": {}}
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -40,7 +43,7 @@ def _bad(message: str, param: str) -> APIError:
     return APIError(400, "invalid_request", message, param=param, code="invalid_value")
 
 
-def _json_text(v, param: str) -> str:
+def _json_text(v: object, param: str) -> str:
     try:
         if isinstance(v, str):
             v = json.loads(v)
@@ -53,7 +56,7 @@ def _json_text(v, param: str) -> str:
         raise APIError(400, "invalid_grammar", f"{param}: nested too deep for a JSON schema", param=param) from None
 
 
-def constraint(req: Guided) -> Constraint | None:
+def constraint(req: Guided | ChatView) -> Constraint | None:
     """What the request's response_format (OpenAI routes) or guided_* field asks its output to
     follow; a 400 for more than one, or for a response_format this server does not know."""
     asked = [name for name in GUIDED if getattr(req, name) is not None]
@@ -65,7 +68,7 @@ def constraint(req: Guided) -> Constraint | None:
     if not asked:
         return None
     name = asked[0]
-    if name == "response_format":
+    if name == "response_format" and rf is not None:  # (asked only where it is not None)
         return _response_format(rf)
     v = getattr(req, name)
     if name == "guided_json":
@@ -75,7 +78,7 @@ def constraint(req: Guided) -> Constraint | None:
     return Constraint(GUIDED[name], v, name)
 
 
-def _response_format(rf) -> Constraint:
+def _response_format(rf: ResponseFormat) -> Constraint:
     if rf.type == "json_object":
         return Constraint("json_schema", json.dumps(ANY_OBJECT), "response_format")
     if rf.type == "json_schema":
@@ -112,6 +115,7 @@ class Tools:
 
     def constraint(self) -> Constraint | None:
         if self.mode == "named":
+            assert self.named is not None  # (set with the mode: tool_plan)
             return Constraint("json_schema", json.dumps(self.named.parameters, ensure_ascii=False),
                               f"tools[{self.named.index}].function.parameters")
         if self.mode == "required":
@@ -127,7 +131,7 @@ class Tools:
         return self.mode in ("named", "required")
 
 
-def tool_plan(req: Chat) -> Tools | None:
+def tool_plan(req: Chat | ChatView) -> Tools | None:
     """The request's tools as tool_choice makes use of them; None when there are none to use
     (no tools, or tool_choice "none"). 400 naming the field for a malformed tool or choice."""
     choice = req.tool_choice
@@ -169,7 +173,7 @@ def _function(t: dict, i: int) -> Function:
     return Function(name, desc if isinstance(desc, str) else None, params, i)
 
 
-def check(req: OpenAISampling, tools: Tools | None) -> None:
+def check(req: OpenAISampling | ChatView, tools: Tools | None) -> None:
     """A tool call constrains the output: no guided_* field beside it. A response_format is the
     form of a text answer, which a required call takes the place of: taken (still checked) and not
     applied, as OpenAI takes both (agent libraries send an output type beside tool_choice)."""
@@ -205,6 +209,7 @@ class Calls:
         out: list[dict] = []
         if self.tools.mode == "named":
             if not self.calls:
+                assert self.tools.named is not None  # (set with the mode: tool_plan)
                 out.append(self._start(self.tools.named.name))
             if text:
                 self.calls[0]["function"]["arguments"] += text

@@ -12,6 +12,8 @@ server's limits), and a validation error's type is "invalid_request_error".
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -97,7 +99,7 @@ def error_code(kind: str) -> str:
     return "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value"
 
 
-def invalid(errors: list[dict], openai: bool = False) -> tuple[dict, int]:
+def invalid(errors: Sequence[Mapping[str, Any]], openai: bool = False) -> tuple[dict, int]:
     """A body that failed validation: 422 naming each field (400 "invalid_request_error" on the
     OpenAI routes), or 400 for text that is not valid Unicode (schemas.Body, or pydantic's own
     check on constrained strings), which no field takes. `param` and `code` follow the first error."""
@@ -105,7 +107,7 @@ def invalid(errors: list[dict], openai: bool = False) -> tuple[dict, int]:
     shown = text or errors
     msg = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: "
                     f"{NOT_UNICODE if e['type'] == 'string_unicode' else e['msg']}" for e in shown)
-    first = shown[0] if shown else {"loc": (), "type": "invalid"}
+    first: Mapping[str, Any] = shown[0] if shown else {"loc": (), "type": "invalid"}
     param = field_path(first["loc"])
     if text:
         return body("invalid_unicode", msg, param), 400
@@ -156,7 +158,7 @@ EXPECTED = (APIError, SnapshotError, StoreUnavailable, RequestValidationError, S
 
 
 def install(app: FastAPI) -> None:
-    async def handle(request: Request, e: Exception):
+    async def handle(request: Request, e: Exception) -> JSONResponse:
         return response_for(e, request.url.path)
     for kind in (*EXPECTED, Exception):
         app.add_exception_handler(kind, handle)

@@ -19,7 +19,7 @@ class _MallInfo2(ctypes.Structure):
 
 
 class Heap:
-    def __init__(self):
+    def __init__(self) -> None:
         self.kind = "unknown"
         proc = ctypes.CDLL(None)  # symbols as the process resolves them: a preloaded allocator wins
         if hasattr(proc, "mallctl"):

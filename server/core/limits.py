@@ -8,8 +8,9 @@ import time
 class TokenBuckets:
     """Per-key token buckets refilled at `per_minute`; generation is refused while one is empty."""
 
-    def __init__(self, per_minute: int):
-        self.rate, self.level, self.lock = per_minute / 60.0, {}, threading.Lock()
+    def __init__(self, per_minute: int) -> None:
+        self.rate, self.lock = per_minute / 60.0, threading.Lock()
+        self.level: dict[str, tuple[float, float]] = {}  # key -> (tokens left, when counted)
 
     def _refill(self, key: str) -> float:
         now = time.monotonic()

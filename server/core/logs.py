@@ -18,6 +18,8 @@ import time
 import uuid
 from contextvars import ContextVar
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
 SAFE_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
 HEADER = b"x-request-id"
@@ -27,17 +29,17 @@ class RequestId:
     """ASGI middleware: the request's id, kept in REQUEST_ID while it is served and sent back in
     the response's `X-Request-Id`."""
 
-    def __init__(self, app):
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = next((v for k, v in scope["headers"] if k == HEADER), None)
         rid = given.decode() if given is not None and SAFE_ID.fullmatch(given) else f"req_{uuid.uuid4().hex}"
         header = (HEADER, rid.encode())
 
-        async def with_id(msg):
+        async def with_id(msg: Message) -> None:
             if msg["type"] == "http.response.start":
                 msg["headers"] = [*msg.get("headers", ()), header]
             await send(msg)
@@ -86,10 +88,11 @@ class Text(logging.Formatter):
         line = record.getMessage()
         if not record.name.startswith("uvicorn"):
             line = f"{record.name}: {line}"
-        if self.named and getattr(record, "replica", None):
-            line = f"[{record.replica}] {line}"
-        if getattr(record, "request_id", None):
-            line += f" [{record.request_id}]"
+        replica, request_id = getattr(record, "replica", None), getattr(record, "request_id", None)  # (extra=)
+        if self.named and replica:
+            line = f"[{replica}] {line}"
+        if request_id:
+            line += f" [{request_id}]"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return f"{record.levelname + ':':<9} {line}"

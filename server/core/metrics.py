@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .build import build
 
@@ -15,7 +16,7 @@ REQUEST_BUCKETS = (.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 3
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.ttft = Histogram("linstream_time_to_first_token_seconds", "Submit to first token", ["model"],
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -87,15 +88,15 @@ class CountRequests:
     that no client can grow the set of labels; the status is "none" where no response was
     sent (the client left first)."""
 
-    def __init__(self, app):
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status, t0 = "none", time.perf_counter()
 
-        async def sending(msg):
+        async def sending(msg: Message) -> None:
             nonlocal status
             if msg["type"] == "http.response.start":
                 status = str(msg["status"])

@@ -176,18 +176,18 @@ class Settings(BaseSettings):
 
     @field_validator("models", "names", "api_keys", "allowed_origins", mode="before")
     @classmethod
-    def _listed(cls, v):
+    def _listed(cls, v: object) -> object:
         """A list as the environment spells it: JSON, or comma-separated (blanks dropped)."""
         if not isinstance(v, str):
             return v
         if v.lstrip().startswith("["):
             try:
-                v = json.loads(v)
+                listed = json.loads(v)
             except ValueError:
                 raise ValueError("not a JSON list; give a comma-separated list or a JSON list of strings") from None
-            if not all(isinstance(x, str) for x in v):
+            if not all(isinstance(x, str) for x in listed):
                 raise ValueError("give a comma-separated list or a JSON list of strings")
-            return v
+            return listed
         return [x.strip() for x in v.split(",") if x.strip()]
 
     @model_validator(mode="after")
@@ -200,7 +200,8 @@ class Settings(BaseSettings):
             if self.weights not in ("auto", self.dtype):
                 raise ValueError(f"--dtype {self.dtype} and --weights {self.weights}: on the CPU both name the "
                                  "projections' format; give --weights only")
-            self.weights, self.dtype = self.dtype, "float32"
+            self.weights = "bfloat16" if self.dtype == "bfloat16" else "float16"  # the two dtypes left here
+            self.dtype = "float32"
         if self.weights not in ("auto", "float32") and (self.device, self.dtype) != ("cpu", "float32"):
             raise ValueError(f"{self.weights} weights need device cpu; on a GPU --dtype sets the whole model's")
         if self.gemm == "onednn" and self.weights == "auto":

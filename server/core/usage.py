@@ -9,7 +9,7 @@ FIELDS = ("prompt_tokens", "completion_tokens", "generations")
 
 
 class Usage:
-    def __init__(self):
+    def __init__(self) -> None:
         self.by_key: dict[str, Counter] = {}
         self.lock = threading.Lock()  # counted on the event loop and on engine threads
 

@@ -8,7 +8,7 @@ already have stepped that token (lookahead), and rolls it back if it is never ha
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -91,7 +91,7 @@ class Stream:
         self.close()
 
 
-async def events(st: Stream) -> AsyncIterator[tuple[str, dict]]:
+async def events(st: Stream) -> AsyncGenerator[tuple[str, dict], None]:
     """("token", {...}) per token, then ("done", {...}) once the session is persisted and
     released ("persisted": false if the store could not be reached: the session then stays in
     memory and is written when the store is back). An abandoned stream is cancelled and finished

@@ -3,7 +3,7 @@ are configured, unless `docs_public` is set (a browser opening /docs sends no ke
 the page nor for the schema it fetches)."""
 from fastapi import APIRouter, Depends, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 
 from .deps import RT
 
@@ -17,15 +17,15 @@ router = APIRouter(include_in_schema=False, dependencies=[Depends(docs_access)])
 
 
 @router.get("/openapi.json")
-async def openapi(request: Request):
+async def openapi(request: Request) -> JSONResponse:
     return JSONResponse(request.app.openapi())
 
 
 @router.get("/docs")
-async def docs(request: Request):
+async def docs(request: Request) -> HTMLResponse:
     return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{request.app.title} - API")
 
 
 @router.get("/redoc")
-async def redoc(request: Request):
+async def redoc(request: Request) -> HTMLResponse:
     return get_redoc_html(openapi_url="/openapi.json", title=f"{request.app.title} - API")

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any, cast
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
+from sse_starlette.sse import EventSourceResponse
 
 from linstream.model.footprint import footprint
 from linstream.model.tokenizer import Tokenizer
@@ -26,6 +28,7 @@ from ...runtime.constraints import Constraint, error_status
 from ...runtime.client_state import refuse_one, state_ref
 from ...runtime.generation import GenerationRequest
 from ...runtime.runtime import Runtime
+from ...runtime.stream import Prompt
 from ...sessions.session import Session
 from ..openai_schemas import (MAX_RUNS, PLAIN_TRANSCRIPT, Chat, ChatCompletion, Completion, ModelCard, ModelList,
                               OpenAISampling, TextCompletion, chat_prompt, unsupported)
@@ -45,8 +48,13 @@ class Run:
     stream: Stream
 
     @property
+    def prompt(self) -> Prompt:
+        assert self.stream.prompt is not None  # (runtime/generation.py sets it before it hands the stream over)
+        return self.stream.prompt
+
+    @property
     def ids(self) -> list[int]:
-        return self.stream.prompt.ids
+        return self.prompt.ids
 
     @property
     def temp(self) -> bool:
@@ -57,7 +65,7 @@ class Run:
         """(token, logprob, top) of the prompt, when echoed with logprobs. Made when asked for:
         one choice's serves every choice of its prompt, and over a long prompt each list costs the
         event loop tens of milliseconds."""
-        prompt = self.stream.prompt
+        prompt = self.prompt
         if prompt.logprobs is None:
             return None
         first = prompt.start == 0  # pushed from position 0: its first token has no context
@@ -73,9 +81,10 @@ class Run:
         return self.stream.eng.tok
 
 
-async def _run(rt: Runtime, req: OpenAISampling, owner: str, prompt: str | list[int], echo_logprobs: int | None,
-               logprobs: int | None, choice: int = 0, transcript: bool = False, follow: str = "",
-               constraint: Constraint | None = None, closing=None) -> Run:
+async def _run(rt: Runtime, req: OpenAISampling, owner: str, prompt: str | list[int] | Callable[[Engine], str],
+               echo_logprobs: int | None, logprobs: int | None, choice: int = 0, transcript: bool = False,
+               follow: str = "", constraint: Constraint | None = None,
+               closing: Callable[[Engine, str], str | None] | None = None) -> Run:
     """Choice `choice` of the request, started by the runtime (runtime/generation.py): on the
     session `session_id` names, or on a temporary one (from the state `state` names, if any).
     `transcript`: the prompt is chat turns; `follow`: what the next request puts after this
@@ -149,15 +158,15 @@ class Choices:
         for run in list(self.runs.values()):
             run.stream.release()
 
-    async def events(self) -> AsyncIterator[tuple[int, Run, str, dict | None]]:
+    async def events(self) -> AsyncGenerator[tuple[int, Run, str, dict], None]:
         """(k, run, kind, event) for every choice as its events come: kind "start" once as the run
-        begins (event None), then its "token"s and its "done". Each run's next event is asked for
+        begins (its event empty), then its "token"s and its "done". Each run's next event is asked for
         only after its previous one has been taken, so a token counts as delivered (`events`)
         once the response has it. A refusal that cannot wait is raised."""
         if self.count == 1:  # one choice: its events as they come, without a task and a queue per event
             run, gen = self.runs[0], events(self.runs[0].stream)
             try:
-                yield 0, run, "start", None
+                yield 0, run, "start", {}
                 async for kind, ev in gen:
                     yield 0, run, kind, ev
             finally:
@@ -166,21 +175,21 @@ class Choices:
             return
         ready: asyncio.Queue = asyncio.Queue()  # tasks as they finish
         tasks: dict[asyncio.Task, tuple[str, int]] = {}  # ("start" | "event", k)
-        gens: dict[int, AsyncIterator] = {}
+        gens: dict[int, AsyncIterator[tuple[str, dict]]] = {}
         waiting = list(range(1, self.count))
         live, blocked = 1, False  # runs started and not done; a refusal waits for one to end
         refused = False  # once refused for room, choices start one at a time (not all at once to be refused again)
 
-        def track(coro, what: str, k: int):
+        def track(coro: Awaitable[object], what: str, k: int) -> None:
             t = asyncio.ensure_future(coro)
             tasks[t] = (what, k)
             t.add_done_callback(ready.put_nowait)
 
-        def follow(k: int):
+        def follow(k: int) -> None:
             gens[k] = gens.get(k) or events(self.runs[k].stream)
             track(anext(gens[k]), "event", k)
 
-        def launch():
+        def launch() -> None:
             starting = sum(1 for what, _ in tasks.values() if what == "start")
             for k in list(waiting):
                 if live + starting >= self.at_once or (refused and starting):
@@ -192,7 +201,7 @@ class Choices:
                 starting += 1
 
         try:
-            yield 0, self.runs[0], "start", None
+            yield 0, self.runs[0], "start", {}
             follow(0)
             while True:
                 if not blocked:
@@ -212,7 +221,7 @@ class Choices:
                         raise
                     self.runs[k] = run
                     live += 1
-                    yield k, run, "start", None
+                    yield k, run, "start", {}
                     follow(k)
                     continue
                 kind, ev = t.result()
@@ -240,12 +249,16 @@ def _release_started(t: asyncio.Task) -> None:
         t.result().stream.release()
 
 
-def _streamed(rt: Runtime, req: OpenAISampling, base: dict, choices: Choices, render) -> object:
+# a streamed request's chunks of one event: render(k, run, kind, event, text choice k has sent so far)
+Render = Callable[[int, Run, str, dict, int], list[dict]]
+
+
+def _streamed(rt: Runtime, req: OpenAISampling, base: dict, choices: Choices, render: Render) -> EventSourceResponse:
     """SSE over a request's choices as their events come. `render(k, run, kind, ev, sent)` -> the
     chunks of one event, `sent` being the text choice k has streamed so far. The usage chunk only
     if stream_options asks."""
 
-    async def gen():
+    async def gen() -> AsyncIterator[bytes]:
         prompt = completion = 0
         sent: dict[int, int] = {}
         failed = False
@@ -295,7 +308,7 @@ def _logprobs_obj(tok: Tokenizer, entries: list[tuple], offset: int = 0) -> dict
     """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset. As OpenAI
     and vLLM give them, each top_logprobs holds the token itself beside the `logprobs` most likely
     (up to logprobs + 1 entries)."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, lp, top in entries:
         piece = tok.decode([t])
         out["tokens"].append(piece)
@@ -306,16 +319,16 @@ def _logprobs_obj(tok: Tokenizer, entries: list[tuple], offset: int = 0) -> dict
     return out
 
 
-def _prompts(req: Completion) -> list[str | list[int]]:
+def _prompts(req: Completion) -> Sequence[str | list[int]]:
     p = req.prompt
     if isinstance(p, list) and p and not isinstance(p[0], int):
         return p  # several prompts
     if isinstance(p, list) and not p:
         raise APIError(400, "empty_prompt", "prompt: an empty list; send text, token ids or a list of either")
-    return [p]
+    return [cast("str | list[int]", p)]  # one: text, or token ids
 
 
-async def _token_prompts(rt: Runtime, eng: Engine, prompts: list) -> list[list[int]]:
+async def _token_prompts(rt: Runtime, eng: Engine, prompts: Sequence[str | list[int]]) -> list[list[int]]:
     out = []
     for i, p in enumerate(prompts):
         ids = await (rt.tokens_of(eng, p, None) if isinstance(p, str) else rt.tokens_of(eng, None, p))
@@ -326,7 +339,7 @@ async def _token_prompts(rt: Runtime, eng: Engine, prompts: list) -> list[list[i
 
 
 @router.post("/completions", responses=streamed(TextCompletion))
-async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
+async def completions(req: Completion, rt: RT, owner: Owner, request: Request) -> Response:
     unsupported(req)
     prompts, n = _prompts(req), req.n
     best = req.best_of or n
@@ -341,7 +354,7 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
     lp = 0 if want is None and best > n else want  # ranking by best_of needs each token's logprob
     wanted = constraint(req)
 
-    async def start(k: int, prompts=prompts):  # run k: choice k % best of prompt k // best
+    async def start(k: int, prompts: Sequence[str | list[int]] = prompts) -> Run:  # run k: choice k % best of prompt k // best
         if k and not req.stream:
             await _gone(request)
         # only a prompt's first choice prefills it with logprobs; the others start from the state
@@ -368,7 +381,7 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
         return echoes[k // best]
 
     if req.stream:
-        def render(k, run, kind, ev, sent):
+        def render(k: int, run: Run, kind: str, ev: dict, sent: int) -> list[dict]:
             prefix, echoed_lps = echo_of(k, run)
             if kind == "start":
                 lps = echoed_lps
@@ -404,16 +417,16 @@ async def completions(req: Completion, rt: RT, owner: Owner, request: Request):
                       **({"session_id": first.session.id} if not first.temp else {}), **state_field(first.stream)})
 
 
-def _chat_logprobs(tok, entries) -> dict:
+def _chat_logprobs(tok: Tokenizer, entries: list[tuple]) -> dict:
     """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
-    def one(text, lp):
+    def one(text: str, lp: float | None) -> dict:
         return {"token": text, "logprob": lp, "bytes": list(text.encode())}
     return {"content": [{**one(tok.decode([t]), lp), "top_logprobs": [one(a, b) for a, b in (top or {}).items()]}
                         for t, lp, top in entries]}
 
 
 @router.post("/chat/completions", responses=streamed(ChatCompletion))
-async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
+async def chat(req: Chat, rt: RT, owner: Owner, request: Request) -> Response:
     unsupported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "invalid_request_error", "top_logprobs: set logprobs to true to use top_logprobs",
@@ -428,9 +441,9 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
         text = lambda eng: chat_turns.continued(req.messages, eng)  # noqa: E731
     closing = chat_turns.closing(req.messages, req.state is not None) if req.return_state else None
     lp = (req.top_logprobs or 0) if req.logprobs else None
-    calls = {}  # choice -> its tool calls as they come, when the output is a tool call
+    calls: dict[int, Calls] = {}  # choice -> its tool calls as they come, when the output is a tool call
 
-    async def start(k: int):
+    async def start(k: int) -> Run:
         if k and not req.stream:
             await _gone(request)
         return await _run(rt, req, owner, text, None, lp, k, transcript=True, follow="\n\n", constraint=wanted,
@@ -442,7 +455,7 @@ async def chat(req: Chat, rt: RT, owner: Owner, request: Request):
             "model": first.session.model}
 
     if req.stream:
-        def render(k, run, kind, ev, sent):
+        def render(k: int, run: Run, kind: str, ev: dict, sent: int) -> list[dict]:
             if tools is not None and tools.calls:
                 return _render_calls(base, calls.setdefault(k, Calls(tools)), k, run, kind, ev)
             if kind == "start":
@@ -479,9 +492,10 @@ def _complete(st: Stream) -> bool:
     return st.job.matcher is not None and st.job.matcher.ended
 
 
-def _render_calls(base: dict, calls: Calls, k: int, run: Run, kind: str, ev: dict | None) -> list[dict]:
+def _render_calls(base: dict, calls: Calls, k: int, run: Run, kind: str, ev: dict) -> list[dict]:
     """A chat stream's chunks for a choice whose output is a tool call: delta.tool_calls as the
     call's text comes (Calls), then finish_reason "tool_calls" once it is whole."""
+    delta: dict[str, object]
     if kind == "start":
         delta, finish = {"role": "assistant", "content": None}, None
     elif kind == "token":
@@ -514,12 +528,12 @@ def model_card(rt: Runtime, name: str, e: Engine) -> dict:
             "chat_template": (e.tok.chat_template or PLAIN_TRANSCRIPT).describe()}
 
 
-@router.get("/models", responses=answers(ModelList))
-async def models(rt: RT, owner: Owner):
+@router.get("/models", response_model=None, responses=answers(ModelList))
+async def models(rt: RT, owner: Owner) -> dict[str, Any]:
     return {"object": "list", "data": [model_card(rt, name, e) for name, e in rt.engines.items()]}
 
 
-@router.get("/models/{model:path}", responses=answers(ModelCard))
-async def model(model: str, rt: RT, owner: Owner):
+@router.get("/models/{model:path}", response_model=None, responses=answers(ModelCard))
+async def model(model: str, rt: RT, owner: Owner) -> dict[str, Any]:
     """One served model's entry (the SDK's models.retrieve); 404 model_not_found for any other."""
     return model_card(rt, model, rt.engine(model))

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from linstream.model.chat_template import ChatTemplate
+from linstream.model.tokenizer import Tokenizer
 
 from ...core.auth import Owner
 from ...core.errors import APIError, StoreUnavailable
@@ -35,7 +36,7 @@ from ...sessions.responses import new_response_id
 from ...sessions.session import new_id
 from ..chat_turns import STAND_IN
 from ..disconnect import ClientGone, unless_gone
-from ..openai_schemas import PLAIN_TRANSCRIPT, chat_prompt
+from ..openai_schemas import PLAIN_TRANSCRIPT, Message, chat_prompt
 from ..responses_schemas import (CreateResponse, ResponseDeleted, ResponseObject, as_chat, messages, responses_param,
                                  unsupported)
 from ..schemas import answers, streamed
@@ -71,10 +72,10 @@ class Draft:
 
     def object(self, status: str, output: list, usage: dict | None = None, done: dict | None = None) -> dict:
         r = self.req
-        failed = done is not None and "error" in done
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "completed_at": int(time.time()) if status != "in_progress" else None,
-                "error": {"code": "server_error", "message": done["error"]["message"]} if failed else None,
+                "error": {"code": "server_error", "message": done["error"]["message"]}
+                if done is not None and "error" in done else None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": r.parallel_tool_calls,
@@ -106,11 +107,11 @@ def part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def render(msgs, tools: Tools | None):
+def render(msgs: list[Message], tools: Tools | None) -> Callable[[str | None, Tokenizer], str]:
     """-> render(tail): the request's messages as the chat template writes them, after the text
     of a state that ends in `tail` (None: a new conversation, which the tools' prompt starts, as
     the chat route's does)."""
-    def text(tail: str | None, tok) -> str:  # tok: the model's tokenizer, whose chat template renders them
+    def text(tail: str | None, tok: Tokenizer) -> str:  # tok: the model's tokenizer, whose chat template renders them
         head = (tools.prompt() if tools is not None else "") if tail is None else after_answer(tail, tok.chat_template)
         return head + chat_prompt(msgs, tok.chat_template)
     return text
@@ -155,7 +156,7 @@ def plan(req: CreateResponse) -> tuple[Tools | None, Constraint | None]:
 
 
 @router.post("", responses=streamed(ResponseObject))
-async def create(req: CreateResponse, rt: RT, owner: Owner, request: Request):
+async def create(req: CreateResponse, rt: RT, owner: Owner, request: Request) -> Response:
     unsupported(req)
     tools, wanted = plan(req)
     msgs = messages(req)
@@ -203,11 +204,11 @@ def _frame(kind: str, data: dict) -> bytes:
     return b"event: %s\r\ndata: %s\r\n\r\n" % (kind.encode(), orjson.dumps({"type": kind, **data}))
 
 
-async def _events(draft: Draft, turn: responses.Turn, owner: str):
+async def _events(draft: Draft, turn: responses.Turn, owner: str) -> AsyncIterator[bytes]:
     """The documented event sequence, each numbered (`sequence_number`)."""
     seq = 0
 
-    def event(kind: str, **data) -> bytes:
+    def event(kind: str, **data: object) -> bytes:
         nonlocal seq
         seq += 1
         return _frame(kind, {"sequence_number": seq - 1, **data})
@@ -264,11 +265,11 @@ async def _events(draft: Draft, turn: responses.Turn, owner: str):
 
 
 @router.get("/{rid}", responses=answers(ResponseObject))
-async def retrieve(rid: str, rt: RT, owner: Owner):
+async def retrieve(rid: str, rt: RT, owner: Owner) -> Response:
     return json_body(await responses.retrieve(rt, rid, owner))
 
 
 @router.delete("/{rid}", responses=answers(ResponseDeleted))
-async def delete(rid: str, rt: RT, owner: Owner):
+async def delete(rid: str, rt: RT, owner: Owner) -> Response:
     await responses.delete(rt, rid, owner)
     return json_body({"id": rid, "object": "response.deleted", "deleted": True})

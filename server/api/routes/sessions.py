@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Header, Request, Response
 from pydantic import ValidationError
@@ -26,13 +26,13 @@ Affinity = Annotated[str | None, Header(alias="X-Session-Affinity", description=
 
 
 @router.post("", status_code=201, responses=answers(SessionInfo, 201))
-async def create(req: CreateSession, rt: RT, owner: Owner, affinity: Affinity = None):
+async def create(req: CreateSession, rt: RT, owner: Owner, affinity: Affinity = None) -> Response:
     s = await rt.create(req.model, req.prompt, req.tokens, owner, affinity=affinity)
     return json_body(rt.describe(s), 201)
 
 
-@router.get("", responses=answers(SessionList))
-async def list_sessions(rt: RT, owner: Owner):
+@router.get("", response_model=None, responses=answers(SessionList))
+async def list_sessions(rt: RT, owner: Owner) -> dict[str, Any]:
     return {"data": [rt.describe(s) for s in rt.owned(owner)]}
 
 
@@ -41,8 +41,8 @@ RESTORE_BODY = {"requestBody": {"required": True, "content": {
     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
 
 
-@router.post("/restore", status_code=201, openapi_extra=RESTORE_BODY, responses=answers(SessionInfo, 201))
-async def restore(request: Request, rt: RT, owner: Owner, affinity: Affinity = None):
+@router.post("/restore", status_code=201, openapi_extra=RESTORE_BODY, response_model=None, responses=answers(SessionInfo, 201))
+async def restore(request: Request, rt: RT, owner: Owner, affinity: Affinity = None) -> dict[str, Any]:
     """Body: JSON {"snapshot_id"} or the raw state blob (application/octet-stream)."""
     ctype = request.headers.get("content-type", "")
     if ctype.startswith("application/json"):
@@ -63,12 +63,12 @@ async def restore(request: Request, rt: RT, owner: Owner, affinity: Affinity = N
 
 
 @router.get("/{sid}", responses=answers(SessionInfo))
-async def get(sid: str, owner: Owner, rt: RT):
+async def get(sid: str, owner: Owner, rt: RT) -> Response:
     return json_body(rt.describe(await rt.find(sid, owner)))
 
 
-@router.get("/{sid}/history", responses=answers(History))
-async def history(sid: str, owner: Owner, rt: RT):
+@router.get("/{sid}/history", response_model=None, responses=answers(History))
+async def history(sid: str, owner: Owner, rt: RT) -> dict[str, Any]:
     s = await rt.find(sid, owner)
     tok = rt.engines[s.model].tok
     return {"id": s.id, "position": s.position, "history_start": s.history_start,
@@ -76,7 +76,7 @@ async def history(sid: str, owner: Owner, rt: RT):
 
 
 @router.post("/{sid}/push", responses=answers(Pushed))
-async def push(sid: str, owner: Owner, req: Push, rt: RT):
+async def push(sid: str, owner: Owner, req: Push, rt: RT) -> Response:
     s = await rt.find(sid, owner)
     ids = await rt.tokens_of(rt.engines[s.model], req.text, req.tokens)
     async with rt.hold(s) as s:
@@ -85,7 +85,7 @@ async def push(sid: str, owner: Owner, req: Push, rt: RT):
 
 
 @router.post("/{sid}/generate", responses=streamed(Generation))
-async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
+async def generate(sid: str, owner: Owner, req: Generate, rt: RT) -> Response:
     # guided_*: this generation only, the session goes on freely after it; answered in one JSON
     # body, the session goes back to where it was if its client leaves before the body is ready
     st = await rt.open_generation(GenerationRequest(
@@ -96,36 +96,36 @@ async def generate(sid: str, owner: Owner, req: Generate, rt: RT):
     return json_body(await collect(st))
 
 
-@router.post("/{sid}/snapshot", responses=answers(Snapshot))
-async def snapshot(sid: str, owner: Owner, rt: RT):
+@router.post("/{sid}/snapshot", response_model=None, responses=answers(Snapshot))
+async def snapshot(sid: str, owner: Owner, rt: RT) -> dict[str, Any]:
     async with rt.use(sid, owner) as s:
         snap, nbytes = await rt.snapshot(s)
     return {"snapshot_id": snap.id, "position": snap.position, "bytes": nbytes, "model": snap.model}
 
 
 @router.get("/{sid}/state", response_class=Response, responses=STATE_BLOB)
-async def state(sid: str, owner: Owner, rt: RT):
+async def state(sid: str, owner: Owner, rt: RT) -> Response:
     async with rt.use(sid, owner) as s:
         blob = await rt.state_blob(s)
     return Response(blob, media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{sid}.safetensors"'})
 
 
-@router.post("/{sid}/fork", status_code=201, responses=answers(SessionInfo, 201))
-async def fork(sid: str, owner: Owner, rt: RT, req: Annotated[Fork | None, Body()] = None):
+@router.post("/{sid}/fork", status_code=201, response_model=None, responses=answers(SessionInfo, 201))
+async def fork(sid: str, owner: Owner, rt: RT, req: Annotated[Fork | None, Body()] = None) -> dict[str, Any]:
     async with rt.use(sid, owner) as s:  # at a position: from its nearest checkpoint (runtime/rewind.py)
         child = await (rt.fork(s) if req is None or req.position is None else fork_at(rt, s, req.position))
     return rt.describe(child)
 
 
 @router.post("/{sid}/rewind", responses=answers(Rewound))
-async def rewind(sid: str, owner: Owner, req: Rewind, rt: RT):
+async def rewind(sid: str, owner: Owner, req: Rewind, rt: RT) -> Response:
     async with rt.use(sid, owner) as s:
         done = await rewind_to(rt, s, req.position)
     return json_body({**rt.describe(s), **done})
 
 
 @router.delete("/{sid}", status_code=204)
-async def delete(sid: str, owner: Owner, rt: RT):
+async def delete(sid: str, owner: Owner, rt: RT) -> Response:
     await rt.remove(sid, owner)  # a session whose stored record is damaged can be deleted too
     return Response(status_code=204)

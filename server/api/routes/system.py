@@ -1,5 +1,7 @@
 """Routes for operators and tools: health checks, the version, metrics, a key's usage, and
 vLLM's and llama.cpp's /tokenize and /detokenize."""
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -15,7 +17,7 @@ router = APIRouter(tags=["system"])
 
 
 @router.get("/health", responses={**answers(Health), **answers(Health, 503)})
-async def health(rt: RT):
+async def health(rt: RT) -> JSONResponse:
     """Readiness. Open to anyone, so it says only that the server is up: what it serves and holds
     is for key holders (/v1/models, /metrics). 503 once the server is shutting down (SIGTERM), so
     that a proxy's health check or an orchestrator's readiness probe takes it out of rotation
@@ -28,7 +30,7 @@ async def health(rt: RT):
 
 
 @router.get("/healthz", responses=answers(Health))
-async def healthz(rt: RT):
+async def healthz(rt: RT) -> JSONResponse:
     """Liveness: 200 for as long as the process serves, draining included (an orchestrator that
     restarts a replica whose liveness fails must not cut its drain short)."""
     return JSONResponse({"status": "ok"}, headers={INSTANCE: rt.leases.me} if rt.leases else None)
@@ -39,14 +41,14 @@ for _path, _check in (("/health", health), ("/healthz", healthz)):
     router.add_api_route(_path, _check, methods=["HEAD"], include_in_schema=False)
 
 
-@router.get("/version", responses=answers(Build))
-async def version(owner: Owner):
+@router.get("/version", response_model=None, responses=answers(Build))
+async def version(owner: Owner) -> dict[str, Any]:
     """The package's version, torch's, and the kind of our matmul this CPU runs (server/core/build.py)."""
     return build()
 
 
 @router.get("/metrics", response_class=PlainTextResponse)  # the Prometheus text format
-async def metrics(request: Request, rt: RT):
+async def metrics(request: Request, rt: RT) -> Response:
     if not rt.settings.metrics_public:
         rt.keys.operator(request.headers.get("authorization"), rt.settings.metrics_key)
     rt.refresh_gauges()
@@ -54,16 +56,16 @@ async def metrics(request: Request, rt: RT):
     return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/usage", responses=answers(KeyUsage))
-async def usage(rt: RT, owner: Owner):
+@router.get("/v1/usage", response_model=None, responses=answers(KeyUsage))
+async def usage(rt: RT, owner: Owner) -> dict[str, Any]:
     """The caller's own use of the server since it started, its key's and no other's (/metrics,
     which tells of every key's, is the operator's)."""
     return {"object": "usage", **rt.usage.of(owner), "generating": rt.admission.streams[owner],
             "sessions": len(rt.owned(owner))}
 
 
-@router.post("/tokenize", responses=answers(Tokenized))
-async def tokenize(req: Tokenize, rt: RT, owner: Owner):
+@router.post("/tokenize", response_model=None, responses=answers(Tokenized))
+async def tokenize(req: Tokenize, rt: RT, owner: Owner) -> dict[str, Any]:
     """As vLLM's and llama.cpp's servers answer it: the ids of `prompt` (or `content`)."""
     eng = rt.engine(req.model)
     ids = await rt.tokens_of(eng, req.prompt if req.prompt is not None else req.content or "", None)
@@ -71,8 +73,8 @@ async def tokenize(req: Tokenize, rt: RT, owner: Owner):
     return {"tokens": ids, "count": len(ids), "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens}
 
 
-@router.post("/detokenize", responses=answers(Detokenized))
-async def detokenize(req: Detokenize, rt: RT, owner: Owner):
+@router.post("/detokenize", response_model=None, responses=answers(Detokenized))
+async def detokenize(req: Detokenize, rt: RT, owner: Owner) -> dict[str, Any]:
     eng = rt.engine(req.model)
     ids = await rt.tokens_of(eng, None, req.tokens)  # checked against the vocabulary
     text = eng.tok.decode(ids)
