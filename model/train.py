@@ -118,8 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     val_ids = torch.tensor(tok.encode(val_text), dtype=torch.long)
     bytes_per_token = len(train_b) / len(train_ids)
 
-    before = json.loads((Path(a.init) / "training.json").read_text()) if a.init else None
+    before = None  # a fine-tune: the training.json of the run it starts from
     if a.init:
+        before = json.loads((Path(a.init) / "training.json").read_text())
         model = grow_vocab(LM.load(a.init).train(), tok.vocab_size)
         a.mixer = before["mixer"]
     if a.end_like:

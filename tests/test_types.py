@@ -1,5 +1,5 @@
 """mypy over linstream.model and linstream.server with the settings in pyproject.toml ([tool.mypy]:
-what is checked and which modules are not clean yet; docs/architecture.md#types says why).
+what is checked, and every function of both annotated; docs/architecture.md#types says why).
 
 mypy resolves `linstream.server` by folders, and does not follow pyproject.toml's package-dir (the
 folder server/ is the package linstream.server) nor the editable install's import hook. So the test
