@@ -302,7 +302,7 @@ class Engine:
             return False
         for out in run_step(self, plan):  # execute: the model call (in halves after a fault)
             draw_tokens(self, out.jobs, out.logits, checked=True)  # emit
-        self.step_costs.record(len(plan.rows), time.perf_counter() - t0)
+        self.step_costs.record(len(plan.rows), time.perf_counter() - t0, plan.shared, plan.waited)
         return bool(plan.jobs)
 
     def _wait_for_work(self) -> list | None:

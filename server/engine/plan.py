@@ -7,13 +7,14 @@ copies). What it decides is a `StepPlan`; execute.py runs it.
 Rows shared by key: a step's cost grows with its rows, and every stream in it waits that long for
 its next token. While one key has generations, its step carries all of them (up to `max_batch`).
 While two or more keys have work (generations or batched pushes), a step carries only as many
-rows as cost at most `fair_step_cost` one-row steps (`StepCosts`, measured), but at least one per
+rows as cost about `fair_step_cost` one-row steps (`StepCosts`, measured), but at least one per
 key; the keys take those rows in turns (each key's first, then each one's second, ...), and a
 key's generations take theirs least recently stepped first, so none waits more than a few steps.
 A key with one stream beside another's hundred then waits a few-row step per token, not a
 hundred-row one, at the cost of the busy key's tokens/s (docs/reliability.md)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar, cast
 
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 EMA = 0.2  # weight of the newest measurement in the cost averages
-STALE_STEPS = 2000  # decode iterations after which a row count's measured cost is measured anew
 MAX_VIEWS = 4096  # cached row-run views: dropped all at once past this many
 ROWS_PER_IDLE_ROW = 8  # a step over a whole range of slots may include one idle row it puts back per this many
 STEP_PREFILL = 4  # tokens: a push this short costs less as compiled steps than as one chunked pass
@@ -46,6 +46,8 @@ class StepPlan:
     index: dict[int, int]  # id(job or push) -> its row's index in `rows`
     in_place: bool  # the rows are one contiguous run: stepped as views of the pool
     idle: list[int]  # rows of the range that no job or push owns, put back after the step
+    shared: float | None = None  # keys compete: the rows were capped to cost about this many one-row steps
+    waited: float = 0.0  # seconds since its last token of the longest-waiting job of a key whose every ready job steps
 
 
 def take_stock(eng: Engine) -> tuple[list[Job], list[Job]]:
@@ -96,19 +98,33 @@ def plan_step(eng: Engine, ready: list[Job]) -> StepPlan | None:
         pushes = [r for r in rows if isinstance(r, Prefill)]
     if not jobs and not pushes:
         return None
-    return lay_out_rows(eng, jobs, pushes)
+    plan = lay_out_rows(eng, jobs, pushes)
+    if n is not None:
+        plan.shared, plan.waited = eng.fair_step_cost, longest_wait(ready, jobs)
+    return plan
+
+
+def longest_wait(ready: list[Job], jobs: list[Job]) -> float:
+    """Seconds since its last token of the longest-waiting of `jobs` (those stepped) whose key has
+    no ready job left out: a lone stream's gap so far. A busy key's jobs wait their turn by design;
+    a lone stream waits longer than its steps when its tokens reach its client late (the event
+    loop behind on other streams' tokens), which the step's own cost does not show."""
+    stepped = {id(j) for j in jobs}
+    left_out = {j.owner for j in ready if id(j) not in stepped}
+    now = time.perf_counter()
+    return max((now - j.t_last for j in jobs if j.owner not in left_out and j.t_last is not None), default=0.0)
 
 
 def fair_rows(eng: Engine, pushes: list[Prefill]) -> int | None:
     """The rows a step may carry while two or more keys have work (a generation, ready or not,
-    or a batched push): as many as cost at most `fair_step_cost` one-row steps, at least one per
+    or a batched push): as many as cost about `fair_step_cost` one-row steps, at least one per
     key. None while one key has it all (or the share is off): then the step holds `max_batch`."""
     if not eng.fair_step_cost:
         return None
     keys = {j.owner for j in eng.jobs} | {p.owner for p in pushes}
     if len(keys) < 2:
         return None
-    return min(eng.max_batch, max(len(keys), eng.step_costs.rows_within(eng.fair_step_cost, eng.max_batch)))
+    return min(eng.max_batch, max(len(keys), eng.step_costs.budget))
 
 
 def lay_out_rows(eng: Engine, jobs: list[Job], pushes: list[Prefill]) -> StepPlan:
@@ -199,47 +215,34 @@ def share_rows(jobs: list[R], n: int) -> list[R]:
 
 
 class StepCosts:
-    """What a decode iteration (plan, step, the tokens drawn) has cost, by the rows its step
-    carried: an EMA of seconds per row count, each dropped after STALE_STEPS iterations without
-    a new measurement (the machine's load and a KV cache's length move it)."""
+    """The rows a step may carry while keys compete (`budget`), kept where a lone stream's gap
+    between tokens is about `fair_step_cost` one-row iterations. A decode iteration (plan, step,
+    the tokens drawn) is timed; the one-row cost is an EMA of the one-row iterations; each
+    iteration planned under the budget moves it: one row fewer after one whose cost, with what
+    its lone streams had waited before it (StepPlan.waited), passed the bound, one more after one
+    that filled the budget within it. The budget settles where half the gaps pass the bound, so
+    the median gap is the bound however noisy the timings on a shared machine."""
 
     def __init__(self) -> None:
-        self.seconds: dict[int, float] = {}
-        self.measured_at: dict[int, int] = {}  # row count -> the iteration it was last measured at
-        self.iterations = 0
+        self.one: float | None = None  # EMA: seconds of a one-row iteration
+        self.budget = 2  # rows a step may carry while keys compete
 
-    def record(self, rows: int, seconds: float) -> None:
-        self.iterations += 1
-        self.seconds[rows] = ema(self.known(rows), seconds)
-        self.measured_at[rows] = self.iterations
-
-    def known(self, rows: int) -> float | None:
-        """The measured cost of a step of `rows` rows, unless none or stale."""
-        at = self.measured_at.get(rows)
-        return None if at is None or self.iterations - at > STALE_STEPS else self.seconds[rows]
-
-    def rows_within(self, multiple: float, most: int) -> int:
-        """The most rows (at most `most`) a step may carry while it costs at most `multiple` one-row
-        steps: counts measured within that, then the next count, unmeasured, to measure it by
-        trying it; never a count measured over it. The one-row cost is the last measured, however
-        old (while keys compete, one-row steps are rare); never measured, it counts as a row of
-        the smallest step measured (rows cost less together, so at most what one row alone costs;
-        nothing measured: one row)."""
-        one = self.seconds.get(1)
-        if one is None:
-            fresh = [r for r in self.seconds if self.known(r) is not None]
-            if not fresh:
-                return 1
-            one = self.seconds[min(fresh)] / min(fresh)
-        n = 1
-        while n < most:
-            cost = self.known(n + 1)
-            if cost is None:
-                return n + 1
-            if cost > multiple * one:
-                return n
-            n += 1
-        return n
+    def record(self, rows: int, seconds: float, shared: float | None, waited: float = 0.0) -> None:
+        """A decode iteration over `rows` rows took `seconds`; `shared`: the one-row iterations it
+        was planned to cost (StepPlan.shared), None if not planned under the budget. The one-row
+        cost is taken from iterations with one key only: beside many streams' tokens a one-row
+        iteration waits on the event loop, and a bound that grew with it would let the budget
+        grow too. Before any, a row of this one stands for it (rows cost less together: the budget
+        then errs low)."""
+        if shared is None:
+            if rows == 1:
+                self.one = ema(self.one, seconds)
+            return
+        one = self.one if self.one is not None else seconds / rows
+        if waited + seconds > shared * one:
+            self.budget = max(1, min(self.budget, rows) - 1)
+        elif rows >= self.budget:
+            self.budget += 1
 
 
 def idle_rows_cheap(rows: list[int]) -> bool:

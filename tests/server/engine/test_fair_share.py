@@ -1,7 +1,7 @@
 """A step's rows shared by key while keys compete (server/engine/plan.py: fair_rows, StepCosts).
 
 With one key's many generations beside another key's one, a step carries only as many rows as
-cost `fair_step_cost` one-row steps (here pinned costs allow 3): the lone key's job is in every
+cost `fair_step_cost` one-row steps (here a budget pinned at 3): the lone key's job is in every
 step, the busy key's jobs take the other rows in turns, and every job still gets the tokens it
 gets with the share off (rows are batch-invariant). With one key alone, a step carries all its
 jobs."""
@@ -15,7 +15,7 @@ from linstream.model.config import PRESETS
 from linstream.model.lm import LM
 from linstream.model.sampling import SamplingParams
 from linstream.server.engine.engine import Engine, Job, JobPhase
-from linstream.server.engine.plan import STALE_STEPS, StepCosts, plan_step
+from linstream.server.engine.plan import StepCosts, plan_step
 
 from tests.server.engine.common import Tok
 
@@ -23,10 +23,9 @@ BUSY, STEPS = 8, 12  # the busy key's jobs; steps planned
 
 
 def pinned(costs: StepCosts) -> StepCosts:
-    """Step costs of 1, 1.5, 2 and 2.5 s for 1-4 rows: with fair_step_cost 2, a step of 3 rows."""
-    for rows, s in [(1, 1.0), (2, 1.5), (3, 2.0), (4, 2.5)]:
-        costs.record(rows, s)
-    costs.record = lambda rows, s: None  # kept as pinned
+    """A budget of 3 rows, kept whatever the steps cost."""
+    costs.budget = 3
+    costs.record = lambda *measured: None
     return costs
 
 
@@ -42,26 +41,27 @@ def engine(model, fair_step_cost: float = 2.0) -> Engine:
     return eng
 
 
-def test_step_costs_allow_what_was_measured_within_and_try_the_next():
+def test_the_budget_settles_where_a_step_costs_the_bound():
     c = StepCosts()
-    assert c.rows_within(3, 64) == 1  # nothing measured
-    c.record(1, 1.0)
-    assert c.rows_within(3, 64) == 2  # 2 rows not measured yet: tried
-    c.record(2, 1.5)
-    c.record(3, 3.5)
-    assert c.rows_within(3, 64) == 2  # 3 rows measured over 3 one-row steps
-    assert c.rows_within(3, 2) == 2
-    for _ in range(STALE_STEPS + 1):
-        c.record(2, 1.5)
-    assert c.rows_within(3, 64) == 3  # the three-row cost stale: 3 rows tried again
-    c.record(3, 2.5)
-    assert c.rows_within(3, 64) == 4  # within the one-row cost, kept however old
-    d = StepCosts()
-    d.record(4, 2.0)  # no one-row step measured: a row of the 4-row step, 0.5 s, stands for it
-    d.record(2, 1.0)
-    assert d.rows_within(3, 64) == 3
-    d.record(3, 1.6)
-    assert d.rows_within(3, 64) == 2
+    c.record(4, 2.0, None)  # not planned under the budget: moves nothing
+    assert c.budget == 2 and c.one is None
+    c.record(2, 1.0, 3.0)  # no one-row step yet: a row of this one (0.5 s) stands for it
+    assert c.budget == 3
+    c.record(1, 1.0, None)
+    for _ in range(20):  # steps cost 0.5 s + 0.5 s a row: 4 rows cost 2.5, 5 rows 3 one-row steps
+        c.record(c.budget, 0.5 + 0.5 * c.budget + 0.01, 3.0)
+        assert 3 <= c.budget <= 5
+    assert c.budget in (4, 5)
+    c.record(2, 0.5, 3.0)  # a step that did not fill the budget says nothing of a fuller one
+    assert c.budget in (4, 5)
+    c.record(2, 9.0, 3.0)  # one that cost too much: one row fewer than it carried
+    assert c.budget == 1
+    c.record(1, 9.0, 3.0)  # a one-row step beside other keys' work: the one-row cost stays
+    assert c.budget == 1 and c.one == 1.0
+    c.record(1, 1.0, 3.0)
+    assert c.budget == 2
+    c.record(2, 1.5, 3.0, waited=2.0)  # a lone stream had waited 2 s before it: its gap passed the bound
+    assert c.budget == 1
 
 
 def test_the_lone_key_steps_every_time_and_the_busy_key_takes_turns(model):
@@ -77,7 +77,7 @@ def test_the_lone_key_steps_every_time_and_the_busy_key_takes_turns(model):
         stepped: Counter = Counter()
         for t in range(1, STEPS + 1):
             plan = plan_step(eng, list(jobs))
-            assert plan is not None and len(plan.rows) == 3  # 3 rows cost 2 one-row steps
+            assert plan is not None and len(plan.rows) == 3 and plan.shared == 2.0  # the budget
             assert jobs[-1] in plan.jobs  # key b's job: a token every step
             for j in plan.jobs:
                 stepped[j.slot] += 1
