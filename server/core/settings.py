@@ -78,9 +78,10 @@ class Settings(BaseSettings):
     # fraction of a decode step, never under engine.MIN_SLICE tokens; 0 = whole prefill_chunk slices
     prefill_share: float = Field(0.5, ge=0)
     max_batch: int = 256  # sessions advanced by one decode step
-    # while two or more API keys have generations on a model, a decode step carries rows costing at
-    # most this many one-row steps (measured; at least one row per key), the keys taking turns, so
-    # one key's many streams slow another's little; 0 = shared by key only past max_batch
+    # while two or more API keys have work on a model, a decode step carries a budget of rows (at
+    # least one per key, the keys taking turns) kept so that a lone stream's gap between tokens is
+    # about this many one-row iterations (measured): one key's many streams slow another's little,
+    # at the cost of their own tokens/s; 0 = rows shared by key only past max_batch
     fair_step_cost: float = Field(3.0, ge=0)
     max_queue: int = 256  # generations waiting beyond max_batch; more are refused with 503
     max_streams_per_key: int = 0  # concurrent generations per API key (0 = unlimited)

@@ -85,7 +85,7 @@ __all__ = ["Engine", "Job", "JobPhase", "Prefill", "PrefillCancelled", "STEP_PRE
 log = logging.getLogger("linstream.engine")
 
 PREFILL_SHARE = 0.5  # a prefill slice costs about this fraction of a decode iteration while streams run
-FAIR_STEP_COST = 3.0  # one-row steps a step may cost while two or more keys have work (plan.fair_rows)
+FAIR_STEP_COST = 3.0  # a lone stream's gap in one-row iterations while two or more keys have work (plan.fair_rows)
 MIN_SLICE = 16  # tokens: a smaller forward pass is mostly fixed cost
 # constrained rows of a step from which their next masks go to the mask thread: handing work over
 # (waking the thread, the GIL going back and forth) costs the engine thread more than the masks

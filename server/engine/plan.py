@@ -6,9 +6,9 @@ copies). What it decides is a `StepPlan`; execute.py runs it.
 
 Rows shared by key: a step's cost grows with its rows, and every stream in it waits that long for
 its next token. While one key has generations, its step carries all of them (up to `max_batch`).
-While two or more keys have work (generations or batched pushes), a step carries only as many
-rows as cost about `fair_step_cost` one-row steps (`StepCosts`, measured), but at least one per
-key; the keys take those rows in turns (each key's first, then each one's second, ...), and a
+While two or more keys have work (generations or batched pushes), a step carries only a budget
+of rows, at least one per key, kept so that a lone stream's gap between tokens is about
+`fair_step_cost` one-row iterations (`StepCosts`, measured); the keys take those rows in turns (each key's first, then each one's second, ...), and a
 key's generations take theirs least recently stepped first, so none waits more than a few steps.
 A key with one stream beside another's hundred then waits a few-row step per token, not a
 hundred-row one, at the cost of the busy key's tokens/s (docs/reliability.md)."""
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 EMA = 0.2  # weight of the newest measurement in the cost averages
+FLOOR_RISE = 0.01  # how far a dearer one-row iteration moves the one-row cost towards itself
 MAX_VIEWS = 4096  # cached row-run views: dropped all at once past this many
 ROWS_PER_IDLE_ROW = 8  # a step over a whole range of slots may include one idle row it puts back per this many
 STEP_PREFILL = 4  # tokens: a push this short costs less as compiled steps than as one chunked pass
@@ -117,8 +118,8 @@ def longest_wait(ready: list[Job], jobs: list[Job]) -> float:
 
 def fair_rows(eng: Engine, pushes: list[Prefill]) -> int | None:
     """The rows a step may carry while two or more keys have work (a generation, ready or not,
-    or a batched push): as many as cost about `fair_step_cost` one-row steps, at least one per
-    key. None while one key has it all (or the share is off): then the step holds `max_batch`."""
+    or a batched push): the budget (StepCosts), at least one per key. None while one key has it
+    all (or the share is off): then the step holds `max_batch`."""
     if not eng.fair_step_cost:
         return None
     keys = {j.owner for j in eng.jobs} | {p.owner for p in pushes}
@@ -217,14 +218,14 @@ def share_rows(jobs: list[R], n: int) -> list[R]:
 class StepCosts:
     """The rows a step may carry while keys compete (`budget`), kept where a lone stream's gap
     between tokens is about `fair_step_cost` one-row iterations. A decode iteration (plan, step,
-    the tokens drawn) is timed; the one-row cost is an EMA of the one-row iterations; each
+    the tokens drawn) is timed; the one-row cost follows the cheapest one-row iterations; each
     iteration planned under the budget moves it: one row fewer after one whose cost, with what
     its lone streams had waited before it (StepPlan.waited), passed the bound, one more after one
     that filled the budget within it. The budget settles where half the gaps pass the bound, so
     the median gap is the bound however noisy the timings on a shared machine."""
 
     def __init__(self) -> None:
-        self.one: float | None = None  # EMA: seconds of a one-row iteration
+        self.one: float | None = None  # seconds of a one-row iteration, near the cheapest seen
         self.budget = 2  # rows a step may carry while keys compete
 
     def record(self, rows: int, seconds: float, shared: float | None, waited: float = 0.0) -> None:
@@ -235,8 +236,9 @@ class StepCosts:
         grow too. Before any, a row of this one stands for it (rows cost less together: the budget
         then errs low)."""
         if shared is None:
-            if rows == 1:
-                self.one = ema(self.one, seconds)
+            if rows == 1:  # near the cheapest: a loaded machine's slow iterations move it little
+                last = self.one
+                self.one = seconds if last is None or seconds < last else last + FLOOR_RISE * (seconds - last)
             return
         one = self.one if self.one is not None else seconds / rows
         if waited + seconds > shared * one:
