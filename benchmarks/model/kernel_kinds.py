@@ -11,7 +11,8 @@ only for the dtypes it packs in pairs of k: its float32 and float16 panels are "
 "avx512-vnni" only for int8, in quads of k: its other panels are "avx512-bf16"'s).
 torch's: float32 F.linear (MKL); bfloat16 F.linear on bfloat16 rows made beforehand (oneDNN, which
 takes AMX or AVX512-BF16 where the CPU has them; bfloat16 out); oneDNN's linear over a bfloat16
-weight reordered once for the row count (`mkldnn._linear_pointwise`, what `--gemm onednn` calls).
+weight reordered once for the row count (`mkldnn._linear_pointwise`, what `--gemm onednn` calls);
+oneDNN's int8 matmul over the int8 weights prepacked once, its input quantized per call.
 Each time is the calling thread's CPU time (every path runs on that one thread), so what the
 shared machine's other processes take is not counted, the best of interleaved rounds. Batch invariance: rows computed alone, and as 2, 5, 8 and 9 rows,
 their bits compared with the same rows' in one 64-row call (oneDNN's bfloat16 results are
@@ -80,7 +81,24 @@ def paths(w: torch.Tensor, kinds: list[str], M: int) -> dict:
     out["oneDNN bfloat16 F.linear"] = lambda x: F.linear(x, wb)  # x: bfloat16 rows (see measure)
     packed = torch.ops.mkldnn._reorder_linear_weight(wb, max(M, 2))
     out["oneDNN bfloat16 reordered"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    out["oneDNN int8 qlinear"] = onednn_int8(q, scale, M)
     return out
+
+
+def onednn_int8(q: torch.Tensor, scale: torch.Tensor, M: int):
+    """f(x) through oneDNN's int8 matmul (`onednn.qlinear_pointwise`, VNNI or AMX where the CPU has
+    them) over int8 weights prepacked once: its input is unsigned int8 with one scale and zero point
+    for the whole call (quantized here, inside the timed call, as ours quantizes its rows), so a
+    row's values depend on the rows beside it."""
+    packed = torch.ops.onednn.qlinear_prepack(q, [M, q.shape[1]])
+    zero = torch.zeros(q.shape[0], dtype=torch.int64)
+
+    def f(x):
+        s = float(x.abs().amax().clamp_min(1e-12)) / 127
+        qx = torch.clamp(torch.round(x / s) + 128, 0, 255).to(torch.uint8)  # (M, K)
+        return torch.ops.onednn.qlinear_pointwise(qx, s, 128, packed, scale, zero, None, 1.0, 0, torch.float32,
+                                                  "none", [], "")
+    return f
 
 
 def takes_bf16(name: str) -> bool:
