@@ -23,12 +23,16 @@
 // per group of panels where several blocks of rows read them, and scaled after the chain. Another numeric than the widening panels' (the input is rounded), so a process
 // packs its weights one way; still one fixed chain per output, whatever the batch or thread count.
 //
+// Built with AVX512-VNNI too (the "avx512-vnni" kind), int8 weights are instead packed in quads of k
+// and multiplied by the input row quantized to int8, an exact int32 chain per output
+// (quads_int8.h, included below); its bfloat16 panels are the pairs above.
+//
 // Large products are split between torch's threads by groups of panels, i.e. by output columns:
 // each output is still computed by one thread with the same chain, so the thread count changes no
 // bits either.
 //
 // Entry points over the same code: linstream_packed_linear(_bf16, _f16, _int8, _pairs_bf16,
-// _pairs_int8) (raw pointers, for ctypes and the eager op) and aoti_torch_cpu_packed_linear, the
+// _pairs_int8, _quads_int8) (raw pointers, for ctypes and the eager op) and aoti_torch_cpu_packed_linear, the
 // C shim AOTInductor's generated step calls for torch.ops.linstream.packed_linear
 // (model/kernels/__init__.py).
 #include <immintrin.h>
@@ -348,8 +352,9 @@ int linstream_new_handles(AtenTensorHandle *in, int64_t n, AtenTensorHandle *out
 
 // The C shim for torch.ops.linstream.packed_linear(x (M, K), packed, bias?, n, scale?) -> (M, n),
 // as AOTInductor's generated code calls a custom op listed in aot_inductor.custom_ops_to_c_shims;
-// `packed` is float32, bfloat16, float16 or int8 panels (ceil(n/32), K, 32), or bfloat16 or int8
-// panels in pairs of k (ceil(n/32), ceil(K/2), 32, 2) in a build that has them.
+// `packed` is float32, bfloat16, float16 or int8 panels (ceil(n/32), K, 32), bfloat16 or int8
+// panels in pairs of k (ceil(n/32), ceil(K/2), 32, 2), or int8 panels in quads of k held as uint8
+// (ceil(n/32), ceil(K/4), 32, 4), in a build that has them.
 AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle packed, AtenTensorHandle *bias,
                                             int64_t n, AtenTensorHandle *scale, AtenTensorHandle *ret0) {
     int64_t *sizes, *strides;
