@@ -10,7 +10,9 @@ a checkpoint instead of a new model: its embedding grows to the tokenizer's voca
 the mean of the others), and its training.json keeps the earlier run under "pretraining".
 
 `--corpus turns` (the default) trains on the text with its turn marks (model/data.py: a speech
-ends with <|end|>, a scene or play with <|endoftext|>), `plain` on the bare text. Held-out
+ends with <|end|>, a scene or play with <|endoftext|>), `plain` on the bare text; `--bare-share`
+draws that share of each batch's rows from the bare text all the same, so that a fine-tune to end
+turns keeps the model's predictions of text without marks. Held-out
 bits/byte divide the nats of every held-out token, the marks' included, by the held-out bytes;
 `--plain-eval` adds `held_out_bits_per_byte_plain`, the same on the bare text.
 
@@ -105,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="start <|end|>'s row (input and output, tied) as a copy of this text's first token's, "
                          "the token it takes the place of at a speech's end ('\\n': a newline)")
     ap.add_argument("--plain-eval", action="store_true", help="also held-out bits/byte on the bare text")
+    ap.add_argument("--bare-share", type=float, default=0.0,
+                    help="with --corpus turns, this share of each batch's rows comes from the bare text, so the "
+                         "model keeps its bare-text predictions where no mark has been seen")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -115,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     plain_val = torch.tensor(tok.encode(val_b.decode("ascii")), dtype=torch.long) if a.plain_eval else None
     train_text, val_text = turns_split() if a.corpus == "turns" else (train_b.decode("ascii"), val_b.decode("ascii"))
     train_ids = torch.tensor(tok.encode(train_text), dtype=torch.long)
+    n_bare = round(a.batch * a.bare_share) if a.corpus == "turns" else 0
+    bare_ids = torch.tensor(tok.encode(train_b.decode("ascii")), dtype=torch.long) if n_bare else train_ids
     val_ids = torch.tensor(tok.encode(val_text), dtype=torch.long)
     bytes_per_token = len(train_b) / len(train_ids)
 
@@ -123,12 +130,12 @@ def main(argv: list[str] | None = None) -> None:
         before = json.loads((Path(a.init) / "training.json").read_text())
         model = grow_vocab(LM.load(a.init).train(), tok.vocab_size)
         a.mixer = before["mixer"]
+    else:
+        model = LM(dataclasses.replace(PRESETS[a.mixer], vocab_size=tok.vocab_size))
     if a.end_like:
         like = a.end_like.encode().decode("unicode_escape")  # '\\n' on the command line: a newline
         with torch.no_grad():
             model.embed.weight[tok.hf.token_to_id(END_OF_TURN)] = model.embed.weight[tok.encode(like)[0]]
-    else:
-        model = LM(dataclasses.replace(PRESETS[a.mixer], vocab_size=tok.vocab_size))
     for block in model.blocks[:len(model.blocks) - a.train_top] if a.train_top else []:
         block.requires_grad_(False)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and p.requires_grad]
@@ -143,21 +150,26 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{a.mixer}: {model.num_params():,} parameters, {what} of {a.batch}x{a.seq}-token steps "
           f"on {a.threads} threads", flush=True)
 
-    t0, seen, ema, s = time.time(), 0, None, 0
+    t0, seen, ema, s, skipped = time.time(), 0, None, 0, 0
     bar = tqdm(total=round(budget), unit="s", mininterval=10, file=sys.stdout)
     while (elapsed := time.time() - t0) < budget and (not a.steps or s < a.steps):
         bar.n = round(elapsed)
         idx = torch.randint(0, len(train_ids) - a.seq - 1, (a.batch,))
-        x = torch.stack([train_ids[i:i + a.seq] for i in idx])
-        y = torch.stack([train_ids[i + 1:i + a.seq + 1] for i in idx])
+        rows = [bare_ids[i % (len(bare_ids) - a.seq - 1):][:a.seq + 1] for i in idx[:n_bare]]
+        rows += [train_ids[i:i + a.seq + 1] for i in idx[n_bare:]]  # (seq + 1,) each
+        x, y = torch.stack(rows)[:, :-1], torch.stack(rows)[:, 1:]  # (B, T)
         for g in opt.param_groups:
             g["lr"] = lr_at(s, progress(s, elapsed))
         logits = forward_top(model, x, a.train_top) if a.train_top else model(x)[0]
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if torch.isfinite(norm):
+            opt.step()
+        else:  # one non-finite gradient would make every weight NaN: the batch is skipped
+            skipped += 1
+            print(f"step {s}: non-finite gradient (loss {loss.item():.3f}), skipped", flush=True)
         seen += x.numel()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         bar.set_postfix(loss=f"{ema:.3f}", bpb=f"{ema / math.log(2) / bytes_per_token:.2f}",
@@ -173,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             "threads": a.threads, "held_out_bits_per_byte": round(bpb, 4),
             **({"held_out_bits_per_byte_plain": round(plain, 4)} if plain is not None else {}), "seed": a.seed, "corpus": a.corpus, "lr": a.lr,
             **({"train_top": a.train_top} if a.train_top else {}), **({"end_like": a.end_like} if a.end_like else {}),
+            **({"skipped_steps": skipped} if skipped else {}), **({"bare_share": a.bare_share} if n_bare else {}),
             "command": "python -m linstream.model.train " + " ".join(argv if argv is not None else sys.argv[1:])}
     if before is not None:  # a fine-tune: the figures above are its own; the run it started from is kept
         meta = {**meta, "tokens_trained": before["tokens_trained"] + seen,

@@ -5,6 +5,7 @@ through the server's /v1/chat/completions in-process, and the share whose finish
     python -m benchmarks.model.chat_stop                   # the eight shipped models
     python -m benchmarks.model.chat_stop -m linear -m mamba --requests 200
     python -m benchmarks.model.chat_stop -m /path/to/checkpoint --out /tmp/stop.json
+    python -m benchmarks.model.chat_stop --temperature 0   # greedy: one reply per distinct message
 
 Prints a table and writes benchmarks/results/model/chat_stop.json (one entry per model, kept
 across runs of other models).
@@ -40,7 +41,7 @@ def messages(n: int) -> list[str]:
     return [pairs[i % len(pairs)] for i in range(n)]
 
 
-async def run(model: str, n: int, max_tokens: int, at_once: int) -> dict:
+async def run(model: str, n: int, max_tokens: int, at_once: int, temperature: float | None = None) -> dict:
     # every request in flight holds a KV cache of its own on softmax and hybrid (4 by default), and
     # none is kept in the prefix cache: each request starts from its own prompt
     app = create_app(Settings(models=[model], compile="off", max_kv_sessions=at_once, prefix_cache_bytes=0))
@@ -49,8 +50,10 @@ async def run(model: str, n: int, max_tokens: int, at_once: int) -> dict:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=600) as c:
             async def one(i: int, text: str) -> dict:
                 async with gate:
+                    sampling = {} if temperature is None else {"temperature": temperature}
                     r = await c.post("/v1/chat/completions", json={
-                        "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "seed": i})
+                        "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "seed": i,
+                        **sampling})
                     r.raise_for_status()
                     return r.json()
             t0 = time.perf_counter()
@@ -59,7 +62,8 @@ async def run(model: str, n: int, max_tokens: int, at_once: int) -> dict:
             card = (await c.get(f"/v1/models/{bodies[0]['model']}")).json()
     finish = [b["choices"][0]["finish_reason"] for b in bodies]
     tokens = [b["usage"]["completion_tokens"] for b in bodies]
-    return {"requests": n, "max_tokens": max_tokens, "stop": finish.count("stop"),
+    return {"requests": n, "max_tokens": max_tokens, **({"temperature": temperature} if temperature is not None else {}),
+            "stop": finish.count("stop"),
             "stop_share": round(finish.count("stop") / n, 3), "completion_tokens_median": statistics.median(tokens),
             "completion_tokens_mean": round(statistics.mean(tokens), 1), "fingerprint": card["fingerprint"],
             "chat_template": card["chat_template"], "wall_s": round(wall, 1),
@@ -72,14 +76,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--at-once", type=int, default=16, help="requests in flight together")
+    ap.add_argument("--temperature", type=float, help="sampling temperature (default: the server's, 1)")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args()
     models = a.model or sorted(p.name for p in WEIGHTS.iterdir() if (p / "config.json").exists())
     results = json.loads(a.out.read_text()) if a.out.exists() else {}
     print(f"{'model':<10} {'stop':>6} {'median tokens':>14} {'mean':>7} {'wall s':>7}")
     for m in models:
-        r = {**asyncio.run(run(m, a.requests, a.max_tokens, a.at_once)), "command": command()}
-        results[m] = r
+        r = {**asyncio.run(run(m, a.requests, a.max_tokens, a.at_once, a.temperature)), "command": command()}
+        results[m if a.temperature is None else f"{m} (temperature {a.temperature:g})"] = r
         print(f"{m:<10} {r['stop_share']:>6.1%} {r['completion_tokens_median']:>14} {r['completion_tokens_mean']:>7} "
               f"{r['wall_s']:>7}", flush=True)
     write_json(a.out, results)

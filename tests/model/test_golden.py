@@ -18,9 +18,9 @@ from linstream.server.core.settings import Settings
 
 CKPT = WEIGHTS / "linear"
 PROMPT = "ROMEO:\nBut soft, what light"
-GOLDEN = " is not so much\nTo be a city of my love.\n\n\nABOLINGBROKE.\nI am a man, and"
-GOLDEN_IDS = [323, 322, 365, 719, 198, 408, 305, 258, 278, 606, 293, 309, 499, 13, 198, 198, 198, 32, 33, 534, 537, 33,
-              588, 880, 13, 198, 40, 456, 258, 442, 11, 290]
+GOLDEN = "s not to the world,\nAnd, in the world, and all the world,\nAnd, in the world, and all the world,\nAnd"
+GOLDEN_IDS = [82, 322, 289, 267, 846, 11, 198, 333, 11, 304, 267, 846, 11, 290, 407, 267, 846, 11, 198, 333, 11, 304,
+              267, 846, 11, 290, 407, 267, 846, 11, 198, 333]
 
 
 @pytest.fixture(scope="module")

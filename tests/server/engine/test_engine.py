@@ -63,10 +63,10 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("stop, finish, text", [
     ([], "length", GOLDEN),
-    (["city"], "stop", " is not so much\nTo be a "),  # the stop string is not sent, nor what came with it
-    # " and" comes last: its "and" could start the stop, and is held back until the limit sends it
-    (["and so"], "length", GOLDEN),
-    (["I am a man, and the"], "length", GOLDEN),  # six tokens held back, all sent with the last
+    (["in the"], "stop", "s not to the world,\nAnd, "),  # the stop string is not sent, nor what came with it
+    # "And" comes last: it could start the stop, and is held back until the limit sends it
+    (["And so"], "length", GOLDEN),
+    ([" all the world,\nAnd so"], "length", GOLDEN),  # six tokens held back, all sent with the last
 ])
 def test_shipped_model_served_as_in_process(shipped, stop, finish, text):
     model, tok = shipped
@@ -77,13 +77,13 @@ def test_shipped_model_served_as_in_process(shipped, stop, finish, text):
     assert reason == finish and "".join(t for _, t in events) == text
     assert [t for t, _ in events] == GOLDEN_IDS[:len(events)]
     if stop and finish == "length":  # the last token's event carries what was held back
-        assert events[-1][1] == " and" if stop == ["and so"] else "I am a man, and"
+        assert events[-1][1] == "And" if stop == ["And so"] else " all the world,\nAnd"
 
 
 def test_eos_ends_both_with_stop(shipped):
     model, tok = shipped
     tok = Tokenizer(tokenizer_file(CKPT))
-    tok.eos_ids = frozenset({GOLDEN_IDS[9]})  # "ity": the tenth token
+    tok.eos_ids = frozenset({GOLDEN_IDS[9]})  # " in": the tenth token, its first time
     params = SamplingParams(max_tokens=len(GOLDEN_IDS), temperature=0)
     got = in_process(model, tok, tok.encode(PROMPT), params)
     assert_same(got, served(model, tok, tok.encode(PROMPT), params))
