@@ -70,9 +70,12 @@ def gated_attn_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, initial_state
         bq = b - gc if exclusive else b
         r = b[..., (L - 1) // 2:(L + 1) // 2, :]  # (B, H, n, 1, K): the reference, mid-chunk
         eq, ek = bq - r, r - b  # the factors' exponents
+        steep = torch.maximum(eq.abs().amax((-2, -1)), ek.abs().amax((-2, -1))) > FACTOR_EXP  # (B, H, n)
+        # clamped, which changes only the steep chunks' factors, replaced below: an infinite factor
+        # there would make their gradient NaN (the replaced entries' zero gradient times infinity)
+        eq, ek = eq.clamp(-FACTOR_EXP, FACTOR_EXP), ek.clamp(-FACTOR_EXP, FACTOR_EXP)
         attn = (qc * torch.exp(eq)) @ (kc * torch.exp(ek)).transpose(-1, -2)  # (B, H, n, L, L)
         attn = attn.masked_fill(~causal, 0.0)  # (the masked entries may overflow: they are dropped)
-        steep = torch.maximum(eq.abs().amax((-2, -1)), ek.abs().amax((-2, -1))) > FACTOR_EXP  # (B, H, n)
         if steep.any():  # those chunks from pairwise differences, every exponent <= 0
             qs, ks, bs, bqs = qc[steep], kc[steep], b[steep], bq[steep]  # (M, L, K)
             diff = (bqs[:, :, None, :] - bs[:, None, :, :]).masked_fill(~causal[:, :, None], float("-inf"))

@@ -186,6 +186,29 @@ def test_gated_chunked_mixes_factorised_and_pairwise_chunks(exclusive):
     close(Sc, Sn)
 
 
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_gated_chunked_gradients_beside_steep_chunks(exclusive):
+    """A steep chunk's factorised weights are replaced by pairwise ones, and its overflowing factors
+    must not reach the backward pass (their zero gradient times infinity is NaN): the chunked
+    form's gradients are finite and the token loop's."""
+    g = gen()
+    B, H, T, K, V = 1, 2, 64, 4, 3
+    q, k, v = (torch.randn(B, H, T, d, generator=g) for d in (K, K, V))
+    logd = -torch.rand(B, H, T, K, generator=g) * 0.5
+    logd[:, 1, 16:32, 1] = -12.0  # head 1's second chunk: steep in one channel
+    bonus = torch.randn(H, K, generator=g) if exclusive else None
+    w = torch.randn(B, H, T, V, generator=g)
+    grads = []
+    for form in ("chunked", "naive"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, logd)]
+        o = (gated_attn_chunked(*leaves, None, False, 16, bonus)[0] if form == "chunked"
+             else gated_attn_naive(*leaves, None, bonus)[0])
+        grads.append(torch.autograd.grad((o * w).sum(), leaves))
+    for gc, gn in zip(*grads):
+        assert torch.isfinite(gc).all()
+        close(gc, gn)
+
+
 def rwkv7_inputs(g, B, H, T, K, V, logd_floor=-0.6065):
     """RWKV-7's own ranges: decay in [floor, 0], a = -kk, b = kk * iclr with kk unit-norm, iclr in (0, 1)."""
     q, k = torch.randn(B, H, T, K, generator=g), torch.randn(B, H, T, K, generator=g)
