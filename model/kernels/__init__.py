@@ -254,10 +254,9 @@ def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         for r in range(0, N, PACK_ROWS):
             out[r // NR:(r + PACK_ROWS) // NR] = pack(weight[r:r + PACK_ROWS], dtype)
         return out
-    if quads(dtype):  # int8 weights only: the kernel multiplies them as they are stored
+    if quads(dtype):
         w = weight.detach()
-        if w.dtype != torch.int8:
-            raise ValueError(f"int8 panels in quads of k are packed from int8 weights, not {w.dtype}")
+        w = w if w.dtype == torch.int8 else w.float().to(torch.int8)  # as the other layouts cast
         padded = torch.full((P * NR, 4 * K4), 128, dtype=torch.uint8)  # zero weights, plus 128
         padded[:N, :K] = (w.to(torch.int16) + 128).to(torch.uint8)
         return padded.view(P, NR, K4, 4).transpose(1, 2).contiguous()  # (P, K4, 32, 4)
