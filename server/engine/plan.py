@@ -8,8 +8,9 @@ Rows shared by key: a step's cost grows with its rows, and every stream in it wa
 its next token. While one key has generations, its step carries all of them (up to `max_batch`).
 While two or more keys have work (generations or batched pushes), a step carries only a budget
 of rows, at least one per key, kept so that a lone stream's gap between tokens is about
-`fair_step_cost` one-row iterations (`StepCosts`, measured); the keys take those rows in turns (each key's first, then each one's second, ...), and a
-key's generations take theirs least recently stepped first, so none waits more than a few steps.
+`fair_step_cost` one-row iterations (`StepCosts`, measured); the keys take those rows in turns
+(each key's first, then each one's second, ...), and a key's generations take theirs least
+recently stepped first, so none waits more than a few steps.
 A key with one stream beside another's hundred then waits a few-row step per token, not a
 hundred-row one, at the cost of the busy key's tokens/s (docs/reliability.md)."""
 from __future__ import annotations
